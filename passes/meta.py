@@ -1,0 +1,44 @@
+"""The ``node.meta`` keys that the stages share.
+
+Every stage reads and writes the graph only through these keys; nothing else is
+passed between passes. Each constant is the key string; its comment says who
+writes it and what the value is.
+"""
+
+from enum import Enum
+
+
+class Role(str, Enum):
+    """What a node is in the training step (``node.meta[ROLE]``)."""
+
+    PARAM = "param"  # placeholder: a model parameter (local tensor)
+    BUFFER = "buffer"  # placeholder: a model buffer
+    OPT_STATE = "opt_state"  # placeholder: one optimizer state tensor
+    HPARAM = "hparam"  # placeholder: a lifted optimizer hyperparameter (float)
+    INPUT = "input"  # placeholder: a leaf of the user's batch / other args
+    GRAD = "grad"  # the node holding a parameter's final accumulated gradient
+    COLLECTIVE = "collective"  # a functional collective or its wait
+
+
+class Region(str, Enum):
+    """Which part of the step a node was recorded in (``node.meta[REGION]``)."""
+
+    FORWARD = "forward"  # zero_grad, forward and loss
+    BACKWARD = "backward"  # inside loss.backward()
+    OPTIMIZER = "optimizer"  # after backward: grad clipping, optim.step()
+
+
+# Written by the tracer.
+ROLE = "spmd_role"  # Role
+REGION = "spmd_region"  # Region
+PARAM_FQN = "spmd_param_fqn"  # str: the parameter a PARAM / OPT_STATE / GRAD node belongs to
+STATE_KEY = "spmd_state_key"  # str: optimizer state name ("exp_avg", "momentum_buffer", ...)
+INPUT_PATH = "spmd_input_path"  # str: pytree path of an INPUT leaf in the step's arguments
+INPUT_BATCH_DIM = "spmd_input_batch_dim"  # int | None: the batch dim of an INPUT leaf
+
+# Written by passes/batch_dim.py (placement propagation).
+PLACEMENT = "spmd_placement"  # torch.distributed.tensor Placement: Shard(d) | Replicate() | Partial("avg")
+
+# Written by the expansion passes (replicate / fully_shard) and the optimizers of collectives.
+COLLECTIVE = "spmd_collective"  # dict(kind=str, bytes=int, params=list[str]) on the issuing node
+BUCKET = "spmd_bucket"  # int: bucket index of a collective node

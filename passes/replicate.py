@@ -1,0 +1,50 @@
+"""Replicate (DDP-like) expansion: average every parameter gradient over the ranks."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from . import meta
+from .collectives import aten, c10d, insert_call, insert_collective
+
+
+def expand_replicate(
+    gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True
+) -> fx.GraphModule:
+    """Insert the collectives that make a traced step DDP's data-parallel step.
+
+    Reads: ROLE (GRAD nodes, BUFFER placeholders), PARAM_FQN, REGION, node.meta["val"].
+    Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
+    (DDP divides before it sums); every later use of the gradient reads the averaged value.
+    With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
+    of the step (DDP's default). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
+    """
+    graph = gm.graph
+    if broadcast_buffers and world_size > 1:
+        buffers = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.BUFFER]
+        if buffers:
+            first_op = next(n for n in graph.nodes if n.op != "placeholder")
+            with graph.inserting_before(first_op):
+                for buf in buffers:
+                    synced = insert_collective(
+                        graph, c10d.broadcast.default, (buf, 0, group_name),
+                        val=buf.meta["val"], region=meta.Region.FORWARD, kind="broadcast",
+                        params=[buf.meta[meta.PARAM_FQN]],
+                    )
+                    insert_call(graph, aten.copy_.default, (buf, synced), like=buf,
+                                region=meta.Region.FORWARD)
+
+    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
+        users = list(grad.users)
+        val = grad.meta["val"]
+        with graph.inserting_before(grad.next):  # inserting_before keeps insertion order
+            scaled = insert_call(graph, aten.div.Tensor, (grad, world_size), like=grad)
+            averaged = insert_collective(
+                graph, c10d.all_reduce.default, (scaled, "sum", group_name),
+                val=val, region=grad.meta.get(meta.REGION), kind="all_reduce",
+                params=[grad.meta[meta.PARAM_FQN]],
+            )
+        for user in users:
+            user.replace_input_with(grad, averaged)
+    gm.recompile()
+    return gm

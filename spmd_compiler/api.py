@@ -1,0 +1,224 @@
+"""The user-facing decorator: compile a training step once, run it many times.
+
+    @spmd_compile(DataParallel("replicate"))
+    def train_step(model, optim, batch): ...
+
+The seed spelling ``compile(parallel_mode=...)(train_step)`` is the same thing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from passes.cleanup import eliminate_dead_code
+from passes.replicate import expand_replicate
+
+from .errors import NoProcessGroupError, SPMDError
+from .parallel_mode import DataParallel
+from .runtime import CompiledGraph, default_mesh, module_device, place_state
+from .tracing import LIFTED_HPARAMS, StepArgs, split_step_args, trace_step
+
+log = logging.getLogger("spmd_compiler")
+
+BACKENDS = ("eager",)
+
+
+def _info(msg: str, *args) -> None:
+    """Log at INFO on rank 0 (every rank when SPMD_LOG_ALL_RANKS is set)."""
+    if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(msg, *args)
+
+
+class CompiledStep:
+    """A training step compiled for a parallel mode. Call it like the original step.
+
+    The first call (and any call whose model, optimizer, input structure, dtypes or shapes fall
+    outside what an earlier compile covered) records and compiles the step; later calls bind the
+    live parameters, optimizer state and batch to the compiled graph and run it.
+    """
+
+    def __init__(self, fn: Callable, parallel_mode: DataParallel, *, backend: str = "eager",
+                 dump_dir: str | None = None,
+                 gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None):
+        if not isinstance(parallel_mode, DataParallel):
+            raise SPMDError(
+                f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
+            )
+        if backend not in BACKENDS:
+            raise SPMDError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.parallel_mode = parallel_mode
+        self.backend = backend
+        self.dump_dir = dump_dir or os.environ.get("SPMD_DUMP_DIR") or None
+        self.gm_transformation = gm_transformation
+        self._cache: dict[tuple, list[CompiledGraph]] = {}
+        self._last_key: tuple | None = None
+        self.compile_count = 0
+        self.last_compile_seconds: float | None = None
+        self.last_compiled: CompiledGraph | None = None
+
+    # -- calling ------------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise NoProcessGroupError(
+                "spmd_compile needs an initialized default process group: call "
+                "torch.distributed.init_process_group(...) first (e.g. launch with torchrun, "
+                "backend 'gloo' on CPU or 'nccl' on CUDA)."
+            )
+        sa = split_step_args(args, kwargs, self.parallel_mode.input_batch_dim)
+        mesh = default_mesh(module_device(sa.module))
+        key = step_key(sa)
+        inputs = [sa.leaves[i] for i in sa.input_indices]
+        for entry in self._cache.get(key, ()):
+            if entry.guards_hold(inputs):
+                with torch.no_grad():
+                    return entry(sa, mesh)
+        entry = self._compile(sa, mesh, key)
+        with torch.no_grad():
+            return entry(sa, mesh)
+
+    # -- compiling ----------------------------------------------------------------------------
+
+    def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
+        if self._last_key is not None:
+            _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
+        fully_shard = self.parallel_mode.parallel_style == "fully_shard"
+        if fully_shard:
+            raise SPMDError("DataParallel('fully_shard') is not supported yet")
+        seconds: dict[str, float] = {}
+        dump_index = [0]
+
+        def stage(name: str, gm: torch.fx.GraphModule, started: float) -> None:
+            seconds[name] = time.perf_counter() - started
+            if self.dump_dir:
+                from .visualize import dump_stage
+
+                dump_stage(gm, name, self.dump_dir, index=dump_index[0])
+                dump_index[0] += 1
+
+        start = t = time.perf_counter()
+        traced = trace_step(self.fn, (), {}, step_args=sa)
+        stage("traced", traced.gm, t)
+
+        t = time.perf_counter()
+        group = mesh.get_group()
+        gm = expand_replicate(
+            traced.gm, group_name=group.group_name, world_size=mesh.size(),
+            broadcast_buffers=self.parallel_mode.broadcast_buffers,
+        )
+        stage("expanded", gm, t)
+
+        t = time.perf_counter()
+        gm = eliminate_dead_code(gm)
+        if self.gm_transformation is not None:
+            gm = self.gm_transformation(gm)
+        stage("optimized", gm, t)
+
+        t = time.perf_counter()
+        runnable = gm  # backend "eager": the FX graph's generated Python
+        guard_code = traced.shape_env.produce_guards_expression(traced.fake_inputs)
+        stage("lowered", gm, t)
+
+        # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
+        place_state(sa.module, sa.optimizers, mesh, fully_shard)
+        key = step_key(sa)
+        entry = CompiledGraph(traced, runnable, guard_code, key, seconds)
+        entry.traced.gm = gm
+        self._cache.setdefault(key, []).append(entry)
+        self._last_key = key
+        self.compile_count += 1
+        self.last_compile_seconds = time.perf_counter() - start
+        self.last_compiled = entry
+        _info(
+            "spmd_compiler: compiled %s (%s, %d nodes) in %.2fs",
+            self.__name__, self.parallel_mode.parallel_style, len(gm.graph.nodes),
+            self.last_compile_seconds,
+        )
+        return entry
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return ("id", id(x))
+
+
+def step_key(sa: StepArgs) -> tuple:
+    """Everything a compiled graph depends on besides the batch size (which the guards check).
+
+    Named components, so a recompile can say what changed.
+    """
+    module = sa.module
+    params = tuple(
+        (id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in module.parameters()
+    )
+    buffers = tuple((id(b), tuple(b.shape), b.dtype) for b in module.buffers())
+    training = tuple(m.training for m in module.modules())
+    optim = []
+    for opt in sa.optimizers:
+        groups = tuple(
+            tuple(sorted((k, _hashable(v)) for k, v in g.items() if k != "params" and k not in LIFTED_HPARAMS))
+            + (tuple(id(p) for p in g["params"]),)
+            for g in opt.param_groups
+        )
+        state = tuple(
+            (id(p), tuple(sorted(k for k, v in st.items() if isinstance(v, torch.Tensor))))
+            for p, st in opt.state.items()
+        )
+        optim.append((type(opt), id(opt), groups, state))
+    inputs = []
+    for i, d in zip(sa.input_indices, sa.batch_dims):
+        t = sa.leaves[i]
+        shape = tuple(None if j == d else s for j, s in enumerate(t.shape))
+        inputs.append((shape, d, t.dtype, t.device, t.requires_grad))
+    constants = tuple(
+        _hashable(x) for j, x in enumerate(sa.leaves)
+        if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
+    )
+    return (
+        ("module", id(module)), ("parameters", params), ("buffers", buffers),
+        ("train/eval mode", training), ("optimizer", tuple(optim)),
+        ("input structure", str(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
+    )
+
+
+def _why(old: tuple, new: tuple) -> str:
+    changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
+    return "changed " + ", ".join(changed) if changed else "input shapes outside the guards"
+
+
+def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
+                 dump_dir: str | None = None, gm_transformation=None):
+    """Decorator: compile a single-device training step for data parallelism.
+
+    Args:
+        parallel_mode: ``DataParallel("replicate")`` (default) or ``DataParallel("fully_shard")``.
+        backend: how the compiled graph runs: ``"eager"`` runs the FX graph's Python.
+        dump_dir: write every stage's graph (and a summary) here; also ``SPMD_DUMP_DIR``.
+        gm_transformation: an extra ``GraphModule -> GraphModule`` applied after the built-in passes.
+    """
+    mode = parallel_mode or DataParallel("replicate")
+
+    def decorate(fn: Callable) -> CompiledStep:
+        return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
+                            gm_transformation=gm_transformation)
+
+    return decorate
+
+
+def compile(module_override=None, gm_transformation=None, parallel_mode: DataParallel | None = None):
+    """The ``torch.distributed._spmd.api.compile`` spelling of :func:`spmd_compile`."""
+    if module_override is not None:
+        raise SPMDError("compile(module_override=...) is not supported; pass module=None")
+    return spmd_compile(parallel_mode, gm_transformation=gm_transformation)

@@ -1,0 +1,30 @@
+"""Errors raised by spmd_compiler. Every one says what is wrong and, where it can, where in the
+user's code."""
+
+
+class SPMDError(Exception):
+    """Base class of every error spmd_compiler raises on bad input or unsupported programs."""
+
+
+class NoProcessGroupError(SPMDError):
+    """The default process group is not initialized."""
+
+
+class StepSignatureError(SPMDError):
+    """The step's arguments do not hold exactly one nn.Module and at least one optimizer."""
+
+
+class TraceError(SPMDError):
+    """The step could not be recorded as one graph (data-dependent control flow, ...)."""
+
+
+class MissingGradientError(SPMDError):
+    """A trainable parameter got no gradient in the step."""
+
+
+class BatchDimError(SPMDError):
+    """An input's batch dim is wrong, disagrees with another input's, or cannot be propagated."""
+
+
+class UnsupportedError(SPMDError):
+    """The program uses something spmd_compiler does not support (yet)."""

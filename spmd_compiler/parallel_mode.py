@@ -1,0 +1,45 @@
+"""Parallel modes: what kind of parallelism to compile the step for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import SPMDError
+
+_STYLES = ("replicate", "fully_shard")
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Data parallelism over every rank of the default process group.
+
+    Args:
+        parallel_style: ``"replicate"`` (DDP-like: every rank holds the full parameters and
+            optimizer state; gradients are all-reduced) or ``"fully_shard"`` (ZeRO-3/FSDP-like:
+            parameters, gradients and optimizer state are dim-0 shards; parameters are all-gathered
+            just in time, gradients reduce-scattered).
+        input_batch_dim: the batch dim of every tensor in the step's non-module, non-optimizer
+            arguments. An int applies to every tensor leaf; a pytree matching the batch (ints, or
+            ``None`` for an input that is not batched) sets it per leaf.
+        reshard_after_forward: fully_shard only. ``True`` gathers parameters again for the
+            backward so the forward copy is freed after its last forward use; ``False`` keeps one
+            gathered copy from forward through backward.
+        broadcast_buffers: like DDP's option: buffers (e.g. BatchNorm running stats) are
+            broadcast from rank 0 at the start of every step.
+    """
+
+    parallel_style: str = "replicate"
+    input_batch_dim: Any = 0
+    reshard_after_forward: bool = True
+    broadcast_buffers: bool = True
+
+    def __post_init__(self):
+        if self.parallel_style not in _STYLES:
+            raise SPMDError(
+                f"DataParallel: unknown parallel_style {self.parallel_style!r}; "
+                f"use one of {', '.join(map(repr, _STYLES))}"
+            )
+
+
+ParallelMode = DataParallel

@@ -1,0 +1,237 @@
+"""Live state on the mesh, and the runnable compiled step.
+
+``place_state`` turns the module's parameters into DTensors on a 1-D DeviceMesh and keys the
+optimizer's state by them; ``CompiledGraph`` binds live tensors to a compiled graph's placeholders,
+runs it and writes back what the step created.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .tracing import StepArgs, TracedStep
+
+_MESHES: dict[str, DeviceMesh] = {}
+
+
+def default_mesh(device: torch.device) -> DeviceMesh:
+    """The 1-D mesh over the default process group for ``device``'s type (one per type)."""
+    kind = device.type
+    if kind not in _MESHES:
+        _MESHES[kind] = init_device_mesh(kind, (dist.get_world_size(),))
+    return _MESHES[kind]
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one parameter (and its same-shaped optimizer states) lives on a rank.
+
+    ``Replicate``: the local tensor is the whole tensor. ``Shard(0)``: rank r holds rows
+    ``[r*rows, (r+1)*rows)`` of the parameter padded to ``rows * world`` rows; the DTensor's local
+    tensor is the unpadded part of that buffer (torch.chunk's split, as DTensor uses).
+    """
+
+    shape: tuple[int, ...]
+    sharded: bool
+    world: int
+
+    @property
+    def rows(self) -> int:
+        return -(-self.shape[0] // self.world) if self.sharded else self.shape[0]
+
+    def valid_rows(self, rank: int) -> int:
+        return max(0, min(self.rows, self.shape[0] - rank * self.rows))
+
+    def padded_shape(self) -> tuple[int, ...]:
+        return (self.rows,) + self.shape[1:]
+
+
+def layout_for(t: torch.Tensor, fully_shard: bool, world: int) -> Layout:
+    shape = tuple(t.shape)
+    return Layout(shape, bool(fully_shard and len(shape) > 0), world)
+
+
+def to_dtensor(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> tuple[DTensor, torch.Tensor]:
+    """Make a DTensor of ``full`` with ``layout``; return it and the padded local buffer that the
+    compiled graph reads and updates in place."""
+    if not layout.sharded:
+        local = full.detach()
+        return DTensor.from_local(local, mesh, [Replicate()], run_check=False), local
+    rank = mesh.get_local_rank()
+    buffer = full.new_zeros(layout.padded_shape())
+    start = rank * layout.rows
+    valid = layout.valid_rows(rank)
+    if valid:
+        buffer[:valid].copy_(full.detach()[start:start + valid])
+    local = buffer[:valid]
+    dt = DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(layout.shape),
+        stride=full.stride() if full.is_contiguous() else None,
+    )
+    return dt, buffer
+
+
+def local_buffer(dt: torch.Tensor) -> torch.Tensor:
+    """The tensor the graph binds for a placed parameter or state (the padded buffer)."""
+    local = dt._local_tensor if isinstance(dt, DTensor) else dt
+    return getattr(dt, "_spmd_buffer", local)
+
+
+def _attach(dt: DTensor, buffer: torch.Tensor) -> DTensor:
+    if buffer is not dt._local_tensor:
+        dt._spmd_buffer = buffer
+    return dt
+
+
+def _broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+    tensors = [t for t in tensors if t.numel()]
+    if tensors and dist.get_world_size() > 1:
+        dist._broadcast_coalesced(dist.distributed_c10d._get_default_group(), tensors, 250 * 2**20, 0)
+
+
+def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], mesh: DeviceMesh,
+                fully_shard: bool) -> None:
+    """Make the module's parameters DTensors (``Replicate()`` or ``Shard(0)``) on ``mesh`` and key
+    each optimizer's state and param_groups by them. Rank 0's values win (as DDP's broadcast at
+    construction). Idempotent: already-placed parameters are left alone.
+    """
+    world = mesh.size()
+    seen: dict[int, torch.nn.Parameter] = {}
+    plain = []
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for name, p in list(sub._parameters.items()):
+            if p is None or isinstance(p, DTensor) or id(p) in seen:
+                continue
+            plain.append(p)
+            seen[id(p)] = None
+    if not plain:
+        return
+    states = [
+        v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
+        if isinstance(v, torch.Tensor)
+    ]
+    _broadcast_from_rank0([p.detach() for p in plain] + list(module.buffers()) + states)
+
+    for p in plain:
+        layout = layout_for(p, fully_shard, world)
+        dt, buffer = to_dtensor(p, layout, mesh)
+        new = torch.nn.Parameter(_attach(dt, buffer), requires_grad=p.requires_grad)
+        new._spmd_buffer = buffer
+        seen[id(p)] = new
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for name, p in list(sub._parameters.items()):
+            if p is not None and seen.get(id(p)) is not None:
+                sub._parameters[name] = seen[id(p)]
+    for opt in optimizers:
+        for g in opt.param_groups:
+            g["params"] = [_placed(seen, p) for p in g["params"]]
+        new_state = defaultdict(dict)
+        for p, st in opt.state.items():
+            np_ = _placed(seen, p)
+            new_state[np_] = {k: place_state_tensor(v, np_, mesh) for k, v in st.items()}
+        opt.state = new_state
+
+
+def _placed(seen: dict, p: torch.Tensor) -> torch.Tensor:
+    new = seen.get(id(p))
+    return p if new is None else new
+
+
+def place_state_tensor(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
+    """An optimizer state value placed like ``param`` when it has the parameter's shape."""
+    if not isinstance(v, torch.Tensor) or isinstance(v, DTensor):
+        return v
+    if isinstance(param, DTensor) and tuple(v.shape) == tuple(param.shape) and v.dim() > 0:
+        layout = layout_for(v, param.placements[0].is_shard(), mesh.size())
+        dt, buffer = to_dtensor(v, layout, mesh)
+        return _attach(dt, buffer)
+    return v
+
+
+def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Wrap a state tensor the compiled graph created (padded local shard or whole) like ``param``."""
+    if not isinstance(param, DTensor) or buffer.dim() == 0:
+        return buffer
+    if param.placements[0].is_shard():
+        layout = layout_for(param, True, mesh.size())
+        if tuple(buffer.shape) != layout.padded_shape():
+            return buffer
+        local = buffer[: layout.valid_rows(mesh.get_local_rank())]
+        dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                shape=param.shape, stride=param.stride())
+        return _attach(dt, buffer)
+    if tuple(buffer.shape) != tuple(param.shape):
+        return buffer
+    return DTensor.from_local(buffer, mesh, [Replicate()], run_check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class CompiledGraph:
+    """A compiled step graph and how to bind live state to its placeholders."""
+
+    traced: TracedStep
+    run: Callable[..., Any]  # the lowered graph: flat tensors/floats in, flat outputs out
+    guard_code: str | None
+    static_key: tuple
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    def guards_hold(self, inputs: list[torch.Tensor]) -> bool:
+        if self.guard_code is None:
+            return True
+        return bool(self.traced.shape_env.evaluate_guards_expression(self.guard_code, inputs))
+
+    def __call__(self, sa: StepArgs, mesh: DeviceMesh) -> Any:
+        tr = self.traced
+        module = sa.module
+        params = _named_unique(module.named_parameters(remove_duplicate=False))
+        buffers = _named_unique(module.named_buffers(remove_duplicate=False))
+        flat: list[Any] = [local_buffer(params[n]) for n in tr.param_fqns]
+        flat += [buffers[n] for n in tr.buffer_fqns]
+        state_of = {}
+        for opt in sa.optimizers:
+            for p, st in opt.state.items():
+                state_of[id(p)] = st
+        flat += [local_buffer(state_of[id(params[n])][k]) for n, k in tr.state_keys]
+        flat += [float(g["lr"]) for opt in sa.optimizers for g in opt.param_groups]
+        flat += [sa.leaves[i] for i in sa.input_indices]
+
+        outs = self.run(*flat)
+
+        n_out = tr.num_tensor_outputs
+        if tr.new_state_keys:
+            opt_of = {id(p): opt for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
+            for (fqn, k), t in zip(tr.new_state_keys, outs[n_out:]):
+                p = params[fqn]
+                opt_of[id(p)].state[p][k] = state_from_local(t, p, mesh)
+        leaves = list(outs[:n_out])
+        for j in sorted(tr.out_constants):
+            leaves.insert(j, tr.out_constants[j])
+        return pytree.tree_unflatten(leaves, tr.out_spec)
+
+
+def _named_unique(named) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in named}

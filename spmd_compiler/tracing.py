@@ -1,0 +1,484 @@
+"""Record a whole training step (zero_grad, forward, loss, backward, optimizer step) as one
+aten-level FX graph.
+
+The module is reparametrized with fake parameters and buffers, the optimizer's ``param_groups``
+and ``state`` are rebound to fake tensors, and ``make_fx`` records everything the step does,
+including ``loss.backward()`` and ``optim.step()``. Only the batch dim of each input is symbolic,
+so one graph serves every batch size the ShapeEnv's guards allow.
+
+Placeholders come in a fixed order: parameters (unique, tied weights once), buffers, optimizer
+state tensors, lifted hyperparameters (``lr`` of each param group, as a SymFloat), batch leaves.
+Outputs: the flat tensor leaves of the step's return value, then the optimizer state tensors the
+step created (when the optimizer had none yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    ShapeEnv,
+    StatelessSymbolicContext,
+)
+from torch.nn.utils.stateless import _reparametrize_module
+
+from passes import meta
+from passes.cleanup import remove_profiler_nodes
+
+from .errors import (
+    BatchDimError,
+    MissingGradientError,
+    SPMDError,
+    StepSignatureError,
+    TraceError,
+    UnsupportedError,
+)
+
+LIFTED_HPARAMS = ("lr",)
+
+
+@dataclass
+class StepArgs:
+    """The step's arguments, split into what the compiler treats differently."""
+
+    module: torch.nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    leaves: list[Any]  # flat leaves of (args, kwargs)
+    spec: pytree.TreeSpec
+    module_index: int
+    optimizer_indices: list[int]
+    input_indices: list[int]  # positions in `leaves` of tensor inputs
+    batch_dims: list[int | None]  # one per input
+
+
+@dataclass
+class TracedStep:
+    """A traced step plus what the runtime needs to bind live state to its placeholders."""
+
+    gm: torch.fx.GraphModule
+    shape_env: ShapeEnv
+    param_fqns: list[str]  # unique parameters, placeholder order
+    buffer_fqns: list[str]
+    state_keys: list[tuple[str, str]]  # (param fqn, state name) of state placeholders
+    new_state_keys: list[tuple[str, str]]  # states the step creates (trailing outputs)
+    num_hparams: int
+    fake_inputs: list[torch.Tensor]  # fake batch leaves, for guard expressions
+    out_spec: pytree.TreeSpec = None
+    out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
+    num_tensor_outputs: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any) -> StepArgs:
+    """Find the module, the optimizer(s) and the batch leaves among the step's arguments."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    modules = [i for i, x in enumerate(leaves) if isinstance(x, torch.nn.Module)]
+    optimizers = [i for i, x in enumerate(leaves) if isinstance(x, torch.optim.Optimizer)]
+    if len(modules) != 1:
+        found = ", ".join(type(leaves[i]).__name__ for i in modules) or "none"
+        raise StepSignatureError(
+            f"the step must receive exactly one torch.nn.Module among its arguments; found "
+            f"{len(modules)} ({found}). Wrap several modules in one parent module."
+        )
+    if not optimizers:
+        raise StepSignatureError(
+            "the step must receive its torch.optim.Optimizer as an argument (none found); the "
+            "compiled step records optimizer.step() together with forward and backward."
+        )
+    inputs = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    batch_dims = _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim)
+    return StepArgs(
+        module=leaves[modules[0]],
+        optimizers=[leaves[i] for i in optimizers],
+        leaves=leaves,
+        spec=spec,
+        module_index=modules[0],
+        optimizer_indices=optimizers,
+        input_indices=inputs,
+        batch_dims=batch_dims,
+    )
+
+
+def _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim) -> list[int | None]:
+    """Broadcast ``input_batch_dim`` (an int, or a pytree over the batch arguments) to each input."""
+    if input_batch_dim is None or isinstance(input_batch_dim, int):
+        dims = {i: input_batch_dim for i in inputs}
+    else:
+        def is_state(x):
+            return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
+
+        batch_args = tuple(a for a in args if not is_state(a))
+        batch_kwargs = {k: v for k, v in kwargs.items() if not is_state(v)}
+        target = batch_args[0] if len(batch_args) == 1 and not batch_kwargs else (
+            (batch_args, batch_kwargs) if batch_kwargs else batch_args
+        )
+        target_leaves, target_spec = pytree.tree_flatten(target)
+        flat = pytree._broadcast_to_and_flatten(input_batch_dim, target_spec)
+        if flat is None:
+            raise BatchDimError(
+                f"input_batch_dim {input_batch_dim!r} does not match the structure of the batch "
+                f"arguments ({target_spec}); give an int, or a pytree of ints/None shaped like "
+                f"the batch."
+            )
+        by_id = {id(leaf): d for leaf, d in zip(target_leaves, flat)}
+        dims = {i: by_id.get(id(leaves[i])) for i in inputs}
+    out = []
+    for i in inputs:
+        d, t = dims[i], leaves[i]
+        if d is not None:
+            if not -t.dim() <= d < max(t.dim(), 1) or t.dim() == 0:
+                raise BatchDimError(
+                    f"input_batch_dim={d} is out of range for an input of shape "
+                    f"{tuple(t.shape)} (argument leaf {i}); pass input_batch_dim=None for "
+                    f"inputs that are not batched."
+                )
+            d = d % t.dim()
+            if t.shape[d] == 0:
+                raise BatchDimError(
+                    f"an input of shape {tuple(t.shape)} has batch dim {d} of size 0; every "
+                    f"rank needs at least one sample."
+                )
+        out.append(d)
+    sizes = {leaves[i].shape[d] for i, d in zip(inputs, out) if d is not None}
+    if len(sizes) > 1:
+        shapes = [
+            f"{tuple(leaves[i].shape)} (batch dim {d})" for i, d in zip(inputs, out) if d is not None
+        ]
+        raise BatchDimError(
+            f"the inputs' batch dims disagree in size: {', '.join(shapes)}. Every batched input "
+            f"must have the same local batch size along its input_batch_dim."
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame in the user's code (not torch's, not ours)."""
+    roots = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(roots) and "contextlib" not in f.filename
+    ]
+    if not frames:
+        return "<unknown location>"
+    f = frames[-1]
+    return f'File "{f.filename}", line {f.lineno}, in {f.name}: {f.line}'
+
+
+@contextlib.contextmanager
+def _tag_regions():
+    """Tag nodes recorded before/inside ``backward()`` as forward/backward regions."""
+    original = torch.autograd.backward
+
+    def tag(region):
+        mode = get_proxy_mode()
+        if mode is not None:
+            for node in mode.tracer.graph.nodes:
+                node.meta.setdefault(meta.REGION, region)
+
+    def backward(*args, **kwargs):
+        tag(meta.Region.FORWARD)
+        result = original(*args, **kwargs)
+        tag(meta.Region.BACKWARD)
+        return result
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+@contextlib.contextmanager
+def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_of):
+    """Point the optimizers at fake params/states/lifted hparams; record each param's grad node."""
+    saved = []
+    hooks = []
+    hp = iter(hparams)
+    for opt in optimizers:
+        groups = [dict(g) for g in opt.param_groups]
+        saved.append((opt, groups, opt.state))
+        new_state = defaultdict(dict)
+        for p, st in opt.state.items():
+            fp = fake_of[id(p)]
+            new_state[fp] = {
+                k: (state_fakes[(fqn_of[id(p)], k)] if isinstance(v, torch.Tensor) else v)
+                for k, v in st.items()
+            }
+        for g in opt.param_groups:
+            g["params"] = [fake_of[id(p)] for p in g["params"]]
+            for name in LIFTED_HPARAMS:
+                g[name] = next(hp)
+        opt.state = new_state
+
+    def on_grad(fqn):
+        def hook(t):
+            mode = get_proxy_mode()
+            node = get_proxy_slot(t.grad, mode.tracer).proxy.node
+            grad_nodes[fqn] = node
+
+        return hook
+
+    for pid, fp in fake_of.items():
+        if fp.requires_grad:
+            hooks.append(fp.register_post_accumulate_grad_hook(on_grad(fqn_of[pid])))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for opt, groups, state in saved:
+            for g, old in zip(opt.param_groups, groups):
+                g.clear()
+                g.update(old)
+            opt.state = state
+
+
+def _global_meta(t: torch.Tensor):
+    """(shape, dtype, device) of a tensor; for a DTensor the global (logical) ones."""
+    return tuple(t.shape), t.dtype, t.device
+
+
+def trace_step(
+    fn: Callable, args: tuple, kwargs: dict | None = None, input_batch_dim: Any = 0,
+    *, step_args: StepArgs | None = None,
+) -> TracedStep:
+    """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
+
+    Reads live module/optimizer state only for shapes, dtypes and non-tensor settings; changes
+    nothing. Writes node.meta ROLE, REGION, PARAM_FQN, STATE_KEY, INPUT_PATH, INPUT_BATCH_DIM.
+    """
+    kwargs = kwargs or {}
+    sa = step_args or split_step_args(args, kwargs, input_batch_dim)
+    module = sa.module
+
+    named_params = list(module.named_parameters(remove_duplicate=False))
+    named_buffers = list(module.named_buffers(remove_duplicate=False))
+    unique_params, fqn_of = [], {}
+    for name, p in named_params:
+        if id(p) not in fqn_of:
+            fqn_of[id(p)] = name
+            unique_params.append(p)
+    unique_buffers, buffer_fqn_of = [], {}
+    for name, b in named_buffers:
+        if id(b) not in buffer_fqn_of:
+            buffer_fqn_of[id(b)] = name
+            unique_buffers.append(b)
+
+    opt_params = {id(p) for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
+    for pid in opt_params:
+        if pid not in fqn_of:
+            raise StepSignatureError(
+                "the optimizer holds a parameter that is not a parameter of the step's module; "
+                "compile a step whose module owns every optimized parameter."
+            )
+
+    shape_env = ShapeEnv(specialize_zero_one=False)
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+
+    def fake_static(t):
+        shape, dtype, device = _global_meta(t)
+        with fake_mode:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    fake_params = [fake_static(p).requires_grad_(p.requires_grad) for p in unique_params]
+    fake_buffers = [fake_static(b) for b in unique_buffers]
+
+    state_keys, state_fakes = [], {}
+    for opt in sa.optimizers:
+        for p, st in opt.state.items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    key = (fqn_of[id(p)], k)
+                    state_keys.append(key)
+                    state_fakes[key] = fake_static(v)
+    for opt in sa.optimizers:
+        for g in opt.param_groups:
+            for name in LIFTED_HPARAMS:
+                if isinstance(g.get(name), torch.Tensor):
+                    raise UnsupportedError(
+                        f"a tensor-valued {name!r} in the optimizer's param_groups is not "
+                        f"supported; use a Python float (schedulers that change it work)."
+                    )
+    hparams = []
+    for opt in sa.optimizers:
+        for gi, g in enumerate(opt.param_groups):
+            for name in LIFTED_HPARAMS:
+                src = ConstantSource(f"hparam_{len(hparams)}_{name}")
+                value = float(g[name])
+                sym = shape_env.create_unspecified_symbol(value, src, dynamic_dim=DimDynamic.DYNAMIC)
+                hparams.append(shape_env.create_symfloatnode(sym, hint=value, source=src))
+
+    fake_inputs = []
+    for i, d in zip(sa.input_indices, sa.batch_dims):
+        t = sa.leaves[i]
+        dyn = [DimDynamic.DYNAMIC if j == d else DimDynamic.STATIC for j in range(t.dim())]
+        ctx = StatelessSymbolicContext(dynamic_sizes=dyn)
+        fake_inputs.append(
+            fake_mode.from_tensor(t, symbolic_context=ctx, source=ConstantSource(f"input_{i}"))
+        )
+
+    grad_nodes: dict[str, torch.fx.Node] = {}
+    created: list[tuple[str, str]] = []
+    out_info = {}
+
+    counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
+
+    def stateless_step(*flat):
+        params, buffers, states, lifted, inputs = _split(flat, counts)
+        leaves = list(sa.leaves)
+        for i, t in zip(sa.input_indices, inputs):
+            leaves[i] = t
+        call_args, call_kwargs = pytree.tree_unflatten(leaves, sa.spec)
+        fake_of = {id(p): fp for p, fp in zip(unique_params, params)}
+        fqn_of_fake = {id(fp): fqn_of[id(p)] for p, fp in zip(unique_params, params)}
+        by_name = {n: fake_of[id(p)] for n, p in named_params}
+        by_name.update({n: buffers[unique_buffers.index(b)] for n, b in named_buffers})
+        state_by_key = dict(zip(state_keys, states))
+        with _reparametrize_module(module, by_name, strict=False), _tag_regions(), _bind_optimizers(
+            sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of
+        ):
+            out = fn(*call_args, **call_kwargs)
+            new_states = []
+            for opt in sa.optimizers:
+                for fp, st in opt.state.items():
+                    fqn = fqn_of_fake[id(fp)]
+                    for k, v in st.items():
+                        if (fqn, k) in state_by_key:
+                            continue
+                        if not isinstance(v, torch.Tensor):
+                            raise UnsupportedError(
+                                f"the optimizer created a non-tensor state entry {k!r} for "
+                                f"parameter {fqn!r}; only tensor optimizer state is supported."
+                            )
+                        created.append((fqn, k))
+                        new_states.append(v)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        out_info["spec"] = out_spec
+        out_info["constants"] = {
+            j: v for j, v in enumerate(out_leaves)
+            if not isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+        }
+        traced_out = [v for j, v in enumerate(out_leaves) if j not in out_info["constants"]]
+        out_info["n"] = len(traced_out)
+        return traced_out + new_states
+
+    try:
+        with fake_mode:
+            gm = make_fx(stateless_step, tracing_mode="symbolic", record_stack_traces=True)(
+                *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
+                *fake_inputs,
+            )
+    except SPMDError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every tracing failure becomes a TraceError
+        raise TraceError(_describe_trace_failure(e)) from e
+
+    remove_profiler_nodes(gm)
+    _annotate(
+        gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, sa, grad_nodes
+    )
+
+    missing = [fqn_of[id(p)] for p in unique_params if p.requires_grad and fqn_of[id(p)] not in grad_nodes]
+    if missing:
+        raise MissingGradientError(
+            f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "
+            f"by the loss. Set requires_grad=False on parameters that are frozen, or remove them."
+        )
+    return TracedStep(
+        gm=gm,
+        shape_env=shape_env,
+        param_fqns=[fqn_of[id(p)] for p in unique_params],
+        buffer_fqns=[buffer_fqn_of[id(b)] for b in unique_buffers],
+        state_keys=state_keys,
+        new_state_keys=created,
+        num_hparams=len(hparams),
+        fake_inputs=fake_inputs,
+        out_spec=out_info["spec"],
+        out_constants=out_info["constants"],
+        num_tensor_outputs=out_info["n"],
+    )
+
+
+def _split(flat, counts):
+    out, start = [], 0
+    for c in counts:
+        out.append(list(flat[start:start + c]))
+        start += c
+    out.append(list(flat[start:]))
+    return out
+
+
+def _describe_trace_failure(e: Exception) -> str:
+    where = _user_frame(e)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, (GuardOnDataDependentSymNode, DataDependentOutputException)):
+        return (
+            f"the step branches on or converts a tensor's value at {where}. The whole step is "
+            f"recorded once as a graph, so Python control flow that depends on tensor data "
+            f"(if/while on a tensor, .item(), .tolist(), bool(tensor)) cannot be compiled. Use "
+            f"torch.where / tensor ops instead, or move it out of the step. ({first_line})"
+        )
+    if isinstance(e, DynamicOutputShapeException):
+        return (
+            f"an op whose output shape depends on tensor values (e.g. nonzero, masked_select, "
+            f"unique) at {where} cannot be compiled: {first_line}"
+        )
+    return f"recording the step failed at {where}: {type(e).__name__}: {first_line}"
+
+
+def _annotate(gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, sa, grad_nodes):
+    """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders and grads; REGION on all."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    it = iter(placeholders)
+    for p in unique_params:
+        n = next(it)
+        n.meta[meta.ROLE] = meta.Role.PARAM
+        n.meta[meta.PARAM_FQN] = fqn_of[id(p)]
+    for b in unique_buffers:
+        n = next(it)
+        n.meta[meta.ROLE] = meta.Role.BUFFER
+        n.meta[meta.PARAM_FQN] = buffer_fqn_of[id(b)]
+    for fqn, k in state_keys:
+        n = next(it)
+        n.meta[meta.ROLE] = meta.Role.OPT_STATE
+        n.meta[meta.PARAM_FQN] = fqn
+        n.meta[meta.STATE_KEY] = k
+    for n in placeholders[len(unique_params) + len(unique_buffers) + len(state_keys):]:
+        if n.meta.get("val") is not None and not isinstance(n.meta["val"], torch.Tensor):
+            n.meta[meta.ROLE] = meta.Role.HPARAM
+    inputs = [n for n in placeholders if meta.ROLE not in n.meta]
+    for n, i, d in zip(inputs, sa.input_indices, sa.batch_dims):
+        n.meta[meta.ROLE] = meta.Role.INPUT
+        n.meta[meta.INPUT_PATH] = f"leaf {i}"
+        n.meta[meta.INPUT_BATCH_DIM] = d
+    for fqn, node in grad_nodes.items():
+        if node.graph is gm.graph:
+            node.meta[meta.ROLE] = meta.Role.GRAD
+            node.meta[meta.PARAM_FQN] = fqn
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta.setdefault(meta.REGION, meta.Region.FORWARD)
+        else:
+            n.meta.setdefault(meta.REGION, meta.Region.OPTIMIZER)
