@@ -1,0 +1,792 @@
+"""See the compiled step: Graphviz dumps of every stage and a summary table.
+
+``dump_stage`` writes two views of a graph: the full node-by-node view (capped at ``max_nodes``)
+and a collapsed view with one box per module path. ``summarize`` reads collectives, buckets,
+parameter placements and memory estimates off the graph; ``write_summary`` writes them as text
+and Markdown. Everything is read from ``node.meta`` (keys in ``passes/meta.py``); nothing here
+changes a graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import graphviz
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+
+from passes.meta import BUCKET, COLLECTIVE, INPUT_PATH, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role
+
+log = logging.getLogger("spmd_compiler")
+
+DEFAULT_MAX_NODES = 400
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+_FONT = "Helvetica"
+
+# Fill colour per placement kind (ColorBrewer pastels, distinguishable without colour via the
+# placement text that every node label carries as well).
+PLACEMENT_COLORS = {
+    "shard": "#9ecae1",
+    "replicate": "#c7e9c0",
+    "partial": "#fdd0a2",
+    "none": "#ffffff",
+}
+REGION_COLORS = {"forward": "#f4f8fc", "backward": "#fcf6f1", "optimizer": "#f6f3fa"}
+
+# Graphviz node attributes per drawn role.
+ROLE_STYLES: dict[str, dict[str, str]] = {
+    "param": dict(shape="cylinder", color="#238b45", penwidth="2"),
+    "buffer": dict(shape="cylinder", color="#238b45", style="dashed"),
+    "opt_state": dict(shape="cylinder", color="#6a51a3", penwidth="2"),
+    "hparam": dict(shape="note", color="#6a51a3", fontsize="8"),
+    "input": dict(shape="invhouse", color="#08519c", penwidth="2"),
+    "grad": dict(shape="box", color="#d94801", penwidth="2", peripheries="2"),
+    "saved": dict(shape="box", style="rounded,bold", color="#525252", penwidth="2"),
+    "activation": dict(shape="box", style="rounded", color="#969696"),
+    "collective": dict(shape="octagon", color="#cb181d", penwidth="3", fontname=f"{_FONT}-Bold"),
+    "wait": dict(shape="octagon", color="#cb181d", style="dashed", fontsize="8"),
+    "scalar": dict(shape="plain", fontcolor="#737373", fontsize="8"),
+    "output": dict(shape="Msquare", color="#252525"),
+}
+ROLE_DESCRIPTIONS = {
+    "param": "parameter",
+    "buffer": "buffer",
+    "opt_state": "optimizer state",
+    "hparam": "hyperparameter",
+    "input": "batch input",
+    "grad": "parameter gradient",
+    "saved": "activation saved for backward",
+    "activation": "other tensor op",
+    "collective": "collective (kind, bytes)",
+    "wait": "wait_tensor",
+    "scalar": "symbolic scalar",
+    "output": "step output",
+}
+
+
+# ----------------------------------------------------------------------------- node facts
+
+
+def is_collective(node: fx.Node) -> bool:
+    """True for a functional collective that issues communication (not its ``wait_tensor``)."""
+    ns = getattr(node.target, "namespace", None)
+    return node.op == "call_function" and ns in _COLLECTIVE_NAMESPACES and not _is_wait(node)
+
+
+def _is_wait(node: fx.Node) -> bool:
+    ns = getattr(node.target, "namespace", None)
+    return ns in _COLLECTIVE_NAMESPACES and "wait_tensor" in str(node.target)
+
+
+def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The collective-issuing nodes of ``gm``, in graph order."""
+    return [n for n in gm.graph.nodes if is_collective(n)]
+
+
+def collective_kind(node: fx.Node) -> str:
+    """``meta[COLLECTIVE]["kind"]`` when the expansion pass wrote it, else the op's name."""
+    info = node.meta.get(COLLECTIVE) or {}
+    return info.get("kind") or node.target._opname
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _role(node: fx.Node, saved: set[fx.Node]) -> str:
+    """The drawn role of a node (a key of ``ROLE_STYLES``)."""
+    if node.op == "output":
+        return "output"
+    if is_collective(node):
+        return "collective"
+    if _is_wait(node):
+        return "wait"
+    role = node.meta.get(ROLE)
+    if role is not None and role != Role.COLLECTIVE:
+        return Role(role).value
+    if node.op == "placeholder":
+        return "input"
+    if not _tensors(node.meta.get("val")):
+        return "scalar"
+    return "saved" if node in saved else "activation"
+
+
+def _saved_activations(gm: fx.GraphModule) -> set[fx.Node]:
+    """Forward-region nodes read by a backward-region node (what autograd keeps alive)."""
+    fwd, bwd = "forward", "backward"
+    return {
+        n for n in gm.graph.nodes
+        if n.op != "placeholder" and _region(n) == fwd and any(_region(u) == bwd for u in n.users)
+    }
+
+
+def _region(node: fx.Node) -> str | None:
+    region = node.meta.get(REGION)
+    return None if region is None else getattr(region, "value", str(region))
+
+
+def _assign_regions(gm: fx.GraphModule) -> dict[fx.Node, str | None]:
+    """Region per node; nodes a later pass inserted without one take their predecessor's."""
+    out, last = {}, None
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            out[n] = None
+            continue
+        last = _region(n) or last
+        out[n] = last
+    return out
+
+
+def _buckets(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Bucket per node: ``meta[BUCKET]``, inherited by a wait from the collective it waits on."""
+    out = {}
+    for n in gm.graph.nodes:
+        b = n.meta.get(BUCKET)
+        if b is None and _is_wait(n) and n.args and isinstance(n.args[0], fx.Node):
+            b = out.get(n.args[0])
+        if b is not None:
+            out[n] = int(b)
+    return out
+
+
+def placement_kind(p: Any) -> str:
+    """``shard`` / ``replicate`` / ``partial`` / ``none`` for a placement (or a list: the first)."""
+    if isinstance(p, (list, tuple)):
+        p = next((q for q in p if q is not None), None)
+    if p is None:
+        return "none"
+    for kind in ("shard", "replicate", "partial"):
+        if getattr(p, f"is_{kind}")():
+            return kind
+    return "none"
+
+
+def placement_str(p: Any) -> str:
+    """Short placement text: ``S(0)``, ``R``, ``P(avg)``; lists joined with ``,``."""
+    if isinstance(p, (list, tuple)):
+        return ",".join(placement_str(q) for q in p)
+    if p is None:
+        return "-"
+    kind = placement_kind(p)
+    if kind == "shard":
+        return f"S({p.dim})"
+    if kind == "replicate":
+        return "R"
+    if kind == "partial":
+        return f"P({p.reduce_op})"
+    return str(p)
+
+
+def _module_path(node: fx.Node) -> tuple[str, str] | None:
+    """(path, class name) of the innermost module a node was recorded in, if known."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, type_ = list(stack.values())[-1]
+    type_name = type_.__name__ if isinstance(type_, type) else str(type_).rsplit(".", 1)[-1]
+    return str(path), type_name
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+class _Sizer:
+    """Evaluates symbolic sizes at hint values (overrides by symbol name, else ShapeEnv hints)."""
+
+    def __init__(self, overrides: Mapping[str, int] | None = None):
+        self.overrides = dict(overrides or {})
+        self.used: dict[str, int] = {}
+
+    def int(self, s: int | torch.SymInt) -> int:
+        if not isinstance(s, torch.SymInt):
+            return int(s)
+        expr, env = s.node.expr, s.node.shape_env
+        values = {}
+        for sym in expr.free_symbols:
+            name = str(sym)
+            if name in self.overrides:
+                values[sym] = self.overrides[name]
+            elif sym in env.backed_var_to_val:
+                values[sym] = int(env.backed_var_to_val[sym])
+            else:
+                from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+                return optimization_hint(s)
+            self.used[name] = int(values[sym])
+        return int(expr.xreplace(values))
+
+    def nbytes(self, val: Any) -> tuple[int, bool]:
+        """(bytes of every tensor in ``val``, whether any size is symbolic)."""
+        total, symbolic = 0, False
+        for t in _tensors(val):
+            numel = 1
+            for s in t.shape:
+                numel *= self.int(s)
+                symbolic |= isinstance(s, torch.SymInt) and bool(s.node.expr.free_symbols)
+            total += numel * t.element_size()
+        return total, symbolic
+
+
+def shape_str(val: Any) -> str:
+    """``s0×50`` for one tensor (dtype appended unless float32); ``;``-joined for several."""
+    parts = []
+    for t in _tensors(val):
+        dims = "×".join(str(s).replace("*", "·") for s in t.shape) or "scalar"
+        dtype = "" if t.dtype == torch.float32 else " " + str(t.dtype).removeprefix("torch.")
+        parts.append(dims + dtype)
+    return "; ".join(parts)
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Human-readable bytes (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def collective_bytes(node: fx.Node, sizer: _Sizer | None = None) -> tuple[int, bool]:
+    """Bytes a collective moves per step, and whether that depends on a symbolic (batch) size.
+
+    The convention is the full (unsharded) buffer: the tensor for ``all_reduce``, the output for
+    ``all_gather``, the input for ``reduce_scatter``; i.e. the larger of input and output.
+    """
+    sizer = sizer or _Sizer()
+    ins = [a.meta.get("val") for a in node.all_input_nodes]
+    return max([sizer.nbytes(node.meta.get("val"))] + [sizer.nbytes(v) for v in ins])
+
+
+# ----------------------------------------------------------------------------- full view
+
+
+def _node_label(node: fx.Node, role: str, sizer: _Sizer) -> str:
+    if role == "collective":
+        info = node.meta.get(COLLECTIVE) or {}
+        nbytes, symbolic = collective_bytes(node, sizer)
+        reduce_op = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else None
+        head = collective_kind(node) + (f" ({reduce_op})" if reduce_op else "")
+        size = fmt_bytes(nbytes) + (" (batch-dependent)" if symbolic else "")
+        lines = [head, size]
+        if info.get("params"):
+            lines.append(_short_list(info["params"]))
+        return "\n".join(lines)
+    if node.op == "placeholder":
+        name = node.meta.get(PARAM_FQN) or node.meta.get(INPUT_PATH) or node.name
+        if node.meta.get(STATE_KEY):
+            name = f"{name}.{node.meta[STATE_KEY]}"
+        shape = shape_str(node.meta.get("val"))
+        lines = [name, ROLE_DESCRIPTIONS[role] + (f" · {shape}" if shape else "")]
+    elif node.op == "output":
+        return "output"
+    else:
+        op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        name = "wait" if role == "wait" else node.name
+        lines = [name if name.startswith(op) or role == "wait" else f"{name}\n{op}"]
+        if role == "grad":
+            lines.append(f"grad {node.meta.get(PARAM_FQN, '')}")
+    if PLACEMENT in node.meta:
+        lines.append(placement_str(node.meta[PLACEMENT]))
+    return "\n".join(lines)
+
+
+def _short_list(items: Sequence[str], k: int = 3) -> str:
+    return ", ".join(items[:k]) + (f" +{len(items) - k}" if len(items) > k else "")
+
+
+def _node_attrs(node: fx.Node, role: str) -> dict[str, str]:
+    attrs = dict(ROLE_STYLES[role])
+    if role not in ("scalar", "output"):
+        attrs["style"] = ",".join(filter(None, ["filled", attrs.get("style")]))
+        attrs["fillcolor"] = PLACEMENT_COLORS[placement_kind(node.meta.get(PLACEMENT))]
+    attrs["class"] = role
+    return attrs
+
+
+def _add_legend(g: graphviz.Digraph, roles: Iterable[str], per_row: int = 6) -> None:
+    """A legend cluster: one swatch per placement, one sample per role the graph uses, in rows."""
+    labels = {"shard": "Shard(d)  S(d)", "replicate": "Replicate  R",
+              "partial": "Partial  P(op)", "none": "no placement"}
+    items = [(f"legend_{k}", labels[k], dict(shape="box", style="filled", fillcolor=c))
+             for k, c in PLACEMENT_COLORS.items()]
+    items += [(f"legend_role_{r}", ROLE_DESCRIPTIONS[r],
+               {k: v for k, v in ROLE_STYLES[r].items() if k != "fontsize"}) for r in roles]
+    with g.subgraph(name="cluster_legend") as lg:
+        lg.attr(label="legend", style="rounded", color="#bdbdbd", fontsize="10")
+        rows = [items[i:i + per_row] for i in range(0, len(items), per_row)]
+        for r, row in enumerate(rows):
+            with lg.subgraph() as rg:
+                rg.attr(rank="same")
+                for i, (name, text, attrs) in enumerate(row):
+                    rg.node(name, text, fontsize="9", **attrs)
+                    if i:
+                        rg.edge(row[i - 1][0], name, style="invis")
+            if r:
+                lg.edge(rows[r - 1][0][0], row[0][0], style="invis")
+
+
+def _new_digraph(title: str) -> graphviz.Digraph:
+    g = graphviz.Digraph(strict=False)
+    g.attr(rankdir="TB", newrank="true", nodesep="0.25", ranksep="0.4", fontname=_FONT,
+           label=title, labelloc="t", fontsize="14", compound="true")
+    g.attr("node", fontname=_FONT, fontsize="10", margin="0.08,0.03", height="0.3")
+    g.attr("edge", fontname=_FONT, fontsize="8", fontcolor="#525252", color="#737373",
+           arrowsize="0.6")
+    return g
+
+
+def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAULT_MAX_NODES,
+                 size_hints: Mapping[str, int] | None = None) -> graphviz.Digraph:
+    """The full view: every node (up to ``max_nodes``), in region and bucket clusters.
+
+    A placeholder read after the forward region (state the optimizer updates) is drawn again as a
+    dashed copy inside that region, so the update does not pull an edge across the whole graph.
+    """
+    nodes = list(gm.graph.nodes)
+    shown = nodes[:max_nodes]
+    shown_set = set(shown)
+    sizer = _Sizer(size_hints)
+    saved = _saved_activations(gm)
+    regions = _assign_regions(gm)
+    buckets = _buckets(gm)
+    roles = {n: _role(n, saved) for n in shown}
+    n_coll = sum(r == "collective" for r in roles.values())
+    g = _new_digraph(f"{title}\n{len(nodes)} nodes, {n_coll} collectives" if title else "")
+
+    copies: dict[tuple[fx.Node, str], str] = {}  # (placeholder, region) -> copy's DOT name
+    for n in shown:
+        for inp in n.all_input_nodes:
+            if inp.op == "placeholder" and regions[n] not in (None, "forward"):
+                copies[(inp, regions[n])] = f"{inp.name}__{regions[n]}"
+    # cluster key -> nodes; a node sits in its region's cluster and, inside it, its bucket's.
+    groups: dict[tuple[str | None, int | None], list[fx.Node]] = defaultdict(list)
+    for n in shown:
+        groups[(regions[n], buckets.get(n))].append(n)
+    for region in dict.fromkeys(r for r, _ in groups):
+        with _cluster(g, region, **_region_attrs(region)) as rg:
+            for (ph, r), name in copies.items():
+                if r == region:
+                    attrs = _node_attrs(ph, roles[ph])
+                    attrs.update(style="dashed,filled", penwidth="1", **{"class": "copy"})
+                    rg.node(name, _node_label(ph, roles[ph], sizer).split("\n")[0], **attrs)
+            for (r, b), members in groups.items():
+                if r != region:
+                    continue
+                bucket = None if b is None else f"{region}_bucket{b}"
+                with _cluster(rg, bucket, label=f"bucket {b}", style="dashed,filled",
+                              fillcolor="#fff5f0", color="#cb181d", fontsize="10") as bg:
+                    for n in members:
+                        bg.node(n.name, _node_label(n, roles[n], sizer), **_node_attrs(n, roles[n]))
+    for rank, op in (("source", "placeholder"), ("sink", "output")):
+        with g.subgraph() as sub:  # inputs on the top rank, the output at the bottom
+            sub.attr(rank=rank)
+            for n in shown:
+                if n.op == op:
+                    sub.node(n.name)
+    for n in shown:
+        for inp in n.all_input_nodes:
+            if inp in shown_set:
+                light = dict(color="#bdbdbd", fontcolor="#969696") if n.op == "output" else {}
+                g.edge(copies.get((inp, regions[n]), inp.name), n.name,
+                       label=shape_str(inp.meta.get("val")), **light)
+    if len(nodes) > max_nodes:
+        g.node("capped", f"capped: showing the first {max_nodes} of {len(nodes)} nodes\n"
+                         "see the .collapsed view for the whole step",
+               shape="note", style="filled", fillcolor="#fee0d2", color="#cb181d", fontsize="12")
+    _add_legend(g, [r for r in ROLE_STYLES if r in set(roles.values())])
+    return g
+
+
+@contextmanager
+def _cluster(g: graphviz.Digraph, name: str | None, **attrs: str) -> Iterator[graphviz.Digraph]:
+    """``g``'s subgraph ``cluster_<name>`` with ``attrs``, or ``g`` itself when name is None."""
+    if name is None:
+        yield g
+        return
+    with g.subgraph(name=f"cluster_{name}") as sub:
+        sub.attr(**attrs)
+        yield sub
+
+
+def _region_attrs(region: str | None) -> dict[str, str]:
+    return dict(label=(region or "").upper(), style="filled", color="#bdbdbd", fontsize="12",
+                labeljust="l", fillcolor=REGION_COLORS.get(region, "#f7f7f7"))
+
+
+# ----------------------------------------------------------------------------- collapsed view
+
+_PLACEHOLDER_GROUPS = {
+    "param": "parameters", "buffer": "buffers", "opt_state": "optimizer state",
+    "hparam": "hyperparameters", "input": "batch inputs",
+}
+
+
+def _group(node: fx.Node, role: str, bucket: int | None, region: str | None) -> tuple[str, str]:
+    """(group id, group title) of a node in the collapsed view."""
+    if node.op == "placeholder":
+        return f"ph_{role}", _PLACEHOLDER_GROUPS[role]
+    if node.op == "output":
+        return "output", "output"
+    if role in ("collective", "wait"):
+        if bucket is not None:
+            return f"bucket_{bucket}", f"bucket {bucket}"
+        anchor = node if role == "collective" else node.args[0]
+        return f"coll_{anchor.name}", collective_kind(anchor)
+    mod = _module_path(node)
+    if mod is not None:
+        path, type_name = mod
+        return f"mod_{path}", f"{path or '(root)'} · {type_name}"
+    return f"region_{region}", f"{region or 'other'} (no module)"
+
+
+def collapsed_to_dot(gm: fx.GraphModule, title: str = "", *,
+                     size_hints: Mapping[str, int] | None = None) -> graphviz.Digraph:
+    """The collapsed view: one box per module path (else per region), collectives per bucket."""
+    sizer = _Sizer(size_hints)
+    saved = _saved_activations(gm)
+    regions = _assign_regions(gm)
+    buckets = _buckets(gm)
+    member_of: dict[fx.Node, str] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for n in gm.graph.nodes:
+        role = _role(n, saved)
+        gid, gtitle = _group(n, role, buckets.get(n), regions[n])
+        grp = groups.setdefault(gid, dict(title=gtitle, nodes=[], roles=Counter(), regions=Counter()))
+        grp["nodes"].append(n)
+        grp["roles"][role] += 1
+        if regions[n]:
+            grp["regions"][regions[n]] += 1
+        member_of[n] = gid
+
+    g = _new_digraph(f"{title} (collapsed by module)\n{len(member_of)} nodes in {len(groups)} groups"
+                     if title else "")
+    by_region: dict[str | None, list[str]] = defaultdict(list)
+    for gid, grp in groups.items():
+        by_region[grp["regions"].most_common(1)[0][0] if grp["regions"] else None].append(gid)
+    for region, gids in by_region.items():
+        with _cluster(g, region, **_region_attrs(region)) as rg:
+            for gid in gids:
+                rg.node(gid, _group_label(groups[gid], sizer), **_group_attrs(groups[gid]))
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for n in gm.graph.nodes:
+        for inp in n.all_input_nodes:
+            a, b = member_of[inp], member_of[n]
+            if a != b:
+                edges[(a, b)].append(shape_str(inp.meta.get("val")))
+    for (a, b), shapes in edges.items():
+        distinct = [s for s in dict.fromkeys(shapes) if s]
+        g.edge(a, b, label=_short_list(distinct, 2), penwidth=str(min(1 + len(shapes) / 4, 4)))
+    _add_legend(g, [])
+    return g
+
+
+def _group_label(grp: dict[str, Any], sizer: _Sizer) -> str:
+    nodes = grp["nodes"]
+    colls = [n for n in nodes if is_collective(n)]
+    if colls:
+        kinds = Counter(collective_kind(n) for n in colls)
+        nbytes = sum(collective_bytes(n, sizer)[0] for n in colls)
+        what = ", ".join(f"{k} ×{c}" for k, c in kinds.items())
+        return f"{grp['title']}\n{what}\n{fmt_bytes(nbytes)}"
+    if nodes[0].op == "placeholder":
+        nbytes = sum(sizer.nbytes(n.meta.get("val"))[0] for n in nodes)
+        return f"{grp['title']}\n{len(nodes)} tensors · {fmt_bytes(nbytes)}"
+    places = Counter(placement_str(n.meta[PLACEMENT]) for n in nodes if PLACEMENT in n.meta)
+    lines = [grp["title"], f"{len(nodes)} ops"]
+    if places:
+        lines.append(" ".join(f"{p}×{c}" for p, c in places.most_common(3)))
+    return "\n".join(lines)
+
+
+def _group_attrs(grp: dict[str, Any]) -> dict[str, str]:
+    nodes, roles = grp["nodes"], grp["roles"]
+    if roles["collective"]:
+        attrs = dict(ROLE_STYLES["collective"])
+        attrs.update(style="filled", fillcolor="#fee0d2", **{"class": "collective"})
+        return attrs
+    if nodes[0].op in ("placeholder", "output"):
+        role = roles.most_common(1)[0][0]
+        attrs = dict(ROLE_STYLES[role])
+        attrs.update(style="filled", fillcolor="#ffffff")
+        return attrs
+    kinds = Counter(placement_kind(n.meta.get(PLACEMENT)) for n in nodes
+                    if _tensors(n.meta.get("val")))
+    total = sum(kinds.values()) or 1
+    stripes = ":".join(f"{PLACEMENT_COLORS[k]};{c / total:.3f}" for k, c in kinds.items())
+    return dict(shape="box", style="striped" if len(kinds) > 1 else "filled",
+                fillcolor=stripes if len(kinds) > 1 else PLACEMENT_COLORS[next(iter(kinds), "none")],
+                color="#525252", penwidth="1.5")
+
+
+# ----------------------------------------------------------------------------- dumping
+
+_svg_skip_logged = False
+
+
+def _next_index(dump_dir: Path) -> int:
+    taken = [int(m.group(1)) for p in dump_dir.glob("*.dot") if (m := re.match(r"(\d+)_", p.name))]
+    return max(taken, default=-1) + 1
+
+
+def dump_stage(gm: fx.GraphModule, stage: str, dump_dir: str | Path, *, index: int | None = None,
+               max_nodes: int = DEFAULT_MAX_NODES,
+               size_hints: Mapping[str, int] | None = None) -> list[Path]:
+    """Write ``NN_<stage>.dot`` and ``NN_<stage>.collapsed.dot`` (+ ``.svg`` when ``dot`` exists).
+
+    ``NN`` is ``index`` or, if None, one more than the highest prefix already in ``dump_dir``, so
+    stages dumped in pipeline order sort in that order. Returns the paths written.
+    """
+    global _svg_skip_logged
+    dump_dir = Path(dump_dir)
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    index = _next_index(dump_dir) if index is None else index
+    base = dump_dir / f"{index:02d}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', stage)}"
+    views = {
+        base.with_name(base.name + ".dot"): graph_to_dot(gm, stage, max_nodes=max_nodes,
+                                                         size_hints=size_hints),
+        base.with_name(base.name + ".collapsed.dot"): collapsed_to_dot(gm, stage,
+                                                                       size_hints=size_hints),
+    }
+    written = []
+    dot = shutil.which("dot")
+    for path, digraph in views.items():
+        path.write_text(digraph.source)
+        written.append(path)
+        if dot:
+            svg = path.with_suffix(".svg")
+            try:
+                subprocess.run([dot, "-Tsvg", str(path), "-o", str(svg)], check=True,
+                               capture_output=True, timeout=120)
+                written.append(svg)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+                log.warning("graphviz could not render %s: %s", path, e)
+    if not dot and not _svg_skip_logged:
+        log.info("graphviz `dot` not found on PATH: writing .dot files only, no .svg")
+        _svg_skip_logged = True
+    return written
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+@dataclass
+class CollectiveStat:
+    kind: str
+    count: int
+    bytes: int  # per step, at the size hints
+    batch_dependent: bool
+
+
+@dataclass
+class BucketStat:
+    bucket: int
+    kinds: str
+    count: int
+    bytes: int
+    params: list[str]
+
+
+@dataclass
+class ParamStat:
+    fqn: str
+    placement: str
+    local_shape: tuple[int, ...]
+    local_bytes: int
+    global_shape: tuple[int, ...] | None = None
+
+
+@dataclass
+class Summary:
+    """What a compiled step communicates and holds, read off its final graph."""
+
+    num_nodes: int
+    size_hints: dict[str, int]  # the symbol values every byte count below was evaluated at
+    collectives: list[CollectiveStat]
+    buckets: list[BucketStat]
+    params: list[ParamStat]
+    persistent_bytes: dict[str, int]  # params, grads, buffers, optimizer state, total (per rank)
+    peak_bytes: int  # liveness estimate, see estimate_peak_memory
+    peak_node: str
+    compile_times: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # per pass: what it did
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(c.bytes for c in self.collectives)
+
+    def tables(self) -> list[tuple[str, list[str], list[list[Any]]]]:
+        """(title, headers, rows) of every section."""
+        hints = ", ".join(f"{k}={v}" for k, v in sorted(self.size_hints.items())) or "none"
+        out = [("collectives per step", ["kind", "count", "bytes", "size", "depends on batch"],
+                [[c.kind, c.count, c.bytes, fmt_bytes(c.bytes), "yes" if c.batch_dependent else "no"]
+                 for c in self.collectives]
+                + [["total", sum(c.count for c in self.collectives), self.collective_bytes,
+                    fmt_bytes(self.collective_bytes), ""]])]
+        if self.buckets:
+            out.append(("buckets", ["bucket", "collectives", "count", "size", "params"],
+                        [[b.bucket, b.kinds, b.count, fmt_bytes(b.bytes), _short_list(b.params, 4)]
+                         for b in self.buckets]))
+        with_global = any(p.global_shape for p in self.params)
+        out.append(("parameters", ["parameter", "placement", "local shape", "local size"]
+                    + (["global shape"] if with_global else []),
+                    [[p.fqn, p.placement, "×".join(map(str, p.local_shape)) or "scalar",
+                      fmt_bytes(p.local_bytes)]
+                     + (["×".join(map(str, p.global_shape or ()))] if with_global else [])
+                     for p in self.params]))
+        out.append(("memory per rank (estimate)", ["what", "bytes", "size"],
+                    [[k, v, fmt_bytes(v)] for k, v in self.persistent_bytes.items()]
+                    + [[f"peak (liveness walk, at {self.peak_node})", self.peak_bytes,
+                        fmt_bytes(self.peak_bytes)]]))
+        if self.compile_times:
+            out.append(("compile time", ["stage", "seconds"],
+                        [[k, f"{v:.3f}"] for k, v in self.compile_times.items()]
+                        + [["total", f"{sum(self.compile_times.values()):.3f}"]]))
+        if self.notes:
+            out.append(("passes", ["pass", "what it did"], [[k, v] for k, v in self.notes.items()]))
+        out.insert(0, ("step", ["graph nodes", "sizes evaluated at"], [[self.num_nodes, hints]]))
+        return out
+
+    def to_text(self) -> str:
+        return "\n\n".join(f"{title}\n{tabulate(rows, headers, tablefmt='simple')}"
+                           for title, headers, rows in self.tables()) + "\n"
+
+    def to_markdown(self) -> str:
+        return "\n\n".join(f"### {title}\n\n{tabulate(rows, headers, tablefmt='github')}"
+                           for title, headers, rows in self.tables()) + "\n"
+
+
+def _alias_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The node whose allocation ``node`` aliases (views, in-place ops, getitem, wait_tensor)."""
+    target = node.target
+    aliasing = _is_wait(node) or target.__class__.__name__ == "builtin_function_or_method" and \
+        getattr(target, "__name__", "") == "getitem"
+    schema = getattr(target, "_schema", None)
+    if schema is not None and any(r.alias_info is not None for r in schema.returns):
+        aliasing = True
+    first = next((a for a in node.all_input_nodes if _tensors(a.meta.get("val"))), None)
+    return roots[first] if aliasing and first is not None else node
+
+
+def estimate_peak_memory(gm: fx.GraphModule, sizer: _Sizer | None = None) -> tuple[int, str]:
+    """Peak of live tensor bytes over the graph's node order, and the node where it occurs.
+
+    Approximation: every placeholder is live for the whole step (state and batch are owned by the
+    caller); every other node allocates its outputs when it runs, unless its schema says the
+    output aliases an input (views, in-place ops) or it is a getitem / wait_tensor; an
+    allocation is freed after the last use of it or any alias, outputs stay live to the end.
+    Ignores allocator caching, fragmentation, and temporaries inside a kernel.
+    """
+    sizer = sizer or _Sizer()
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    roots: dict[fx.Node, fx.Node] = {}
+    size: dict[fx.Node, int] = {}
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        roots[n] = n if n.op in ("placeholder", "output") else _alias_root(n, roots)
+        if roots[n] is n:
+            size[n] = sizer.nbytes(n.meta.get("val"))[0]
+        r = roots[n]
+        last_use[r] = max([last_use.get(r, pos[n])] + [pos[u] for u in n.users])
+        if any(u.op == "output" for u in n.users) or n.op == "placeholder":
+            last_use[r] = len(nodes)
+    frees: dict[int, list[fx.Node]] = defaultdict(list)
+    for r, i in last_use.items():
+        frees[i].append(r)
+    live = peak = 0
+    peak_node = nodes[0].name if nodes else ""
+    for i, n in enumerate(nodes):
+        if roots[n] is n:
+            live += size[n]
+        if live > peak:
+            peak, peak_node = live, n.name
+        live -= sum(size[r] for r in frees.get(i, ()))
+    return peak, peak_node
+
+
+def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None = None,
+              param_info: Mapping[str, Sequence[int]] | None = None,
+              size_hints: Mapping[str, int] | None = None,
+              notes: Mapping[str, str] | None = None) -> Summary:
+    """Summarize a (compiled) step graph.
+
+    ``param_info`` maps parameter FQN to its global (unsharded) shape, shown next to the local
+    one. ``size_hints`` overrides symbol values by name (e.g. ``{"s0": 64}``); by default each
+    symbol takes its ShapeEnv hint, i.e. the sizes seen at trace time. ``notes`` are per-pass
+    one-liners (what bucketing, overlap, ... did).
+    """
+    sizer = _Sizer(size_hints)
+    nodes = list(gm.graph.nodes)
+    by_kind: dict[str, CollectiveStat] = {}
+    by_bucket: dict[int, BucketStat] = {}
+    for n in collective_nodes(gm):
+        kind = collective_kind(n)
+        nbytes, symbolic = collective_bytes(n, sizer)
+        stat = by_kind.setdefault(kind, CollectiveStat(kind, 0, 0, False))
+        stat.count += 1
+        stat.bytes += nbytes
+        stat.batch_dependent |= symbolic
+        if n.meta.get(BUCKET) is not None:
+            b = by_bucket.setdefault(int(n.meta[BUCKET]), BucketStat(int(n.meta[BUCKET]), "", 0, 0, []))
+            b.count += 1
+            b.bytes += nbytes
+            b.kinds = ", ".join(dict.fromkeys(filter(None, b.kinds.split(", ") + [kind])))
+            b.params.extend((n.meta.get(COLLECTIVE) or {}).get("params", []))
+
+    persistent = Counter()
+    params = []
+    for n in nodes:
+        if n.op != "placeholder":
+            continue
+        role = n.meta.get(ROLE)
+        nbytes = sizer.nbytes(n.meta.get("val"))[0]
+        if role == Role.PARAM:
+            fqn = n.meta.get(PARAM_FQN, n.name)
+            val = n.meta.get("val")
+            params.append(ParamStat(
+                fqn, placement_str(n.meta.get(PLACEMENT)), tuple(sizer.int(s) for s in val.shape),
+                nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
+            persistent["params"] += nbytes
+            persistent["grads"] += nbytes
+        elif role == Role.BUFFER:
+            persistent["buffers"] += nbytes
+        elif role == Role.OPT_STATE:
+            persistent["optimizer state"] += nbytes
+    persistent_bytes = {k: persistent[k] for k in ("params", "grads", "buffers", "optimizer state")}
+    persistent_bytes["total persistent"] = sum(persistent_bytes.values())
+    peak, peak_node = estimate_peak_memory(gm, sizer)
+    return Summary(
+        num_nodes=len(nodes),
+        size_hints=dict(sizer.used),
+        collectives=sorted(by_kind.values(), key=lambda c: c.kind),
+        buckets=[by_bucket[k] for k in sorted(by_bucket)],
+        params=params,
+        persistent_bytes=persistent_bytes,
+        peak_bytes=peak,
+        peak_node=peak_node,
+        compile_times=dict(compile_times or {}),
+        notes=dict(notes or {}),
+    )
+
+
+def write_summary(summary: Summary, dump_dir: str | Path) -> list[Path]:
+    """Write ``summary.txt`` and ``summary.md`` into ``dump_dir``; return their paths."""
+    dump_dir = Path(dump_dir)
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    txt, md = dump_dir / "summary.txt", dump_dir / "summary.md"
+    txt.write_text(summary.to_text())
+    md.write_text("# Compiled step summary\n\n" + summary.to_markdown())
+    return [txt, md]
