@@ -501,7 +501,11 @@ def _group_label(grp: dict[str, Any], sizer: _Sizer) -> str:
         nbytes = sum(collective_bytes(n, sizer)[0] for n in colls)
         what = ", ".join(f"{k} ×{c}" for k, c in kinds.items())
         return f"{grp['title']}\n{what}\n{fmt_bytes(nbytes)}"
+    if nodes[0].op == "output":
+        return grp["title"]
     if nodes[0].op == "placeholder":
+        if not any(_tensors(n.meta.get("val")) for n in nodes):
+            return f"{grp['title']}\n{len(nodes)} scalars"
         nbytes = sum(sizer.nbytes(n.meta.get("val"))[0] for n in nodes)
         return f"{grp['title']}\n{len(nodes)} tensors · {fmt_bytes(nbytes)}"
     places = Counter(placement_str(n.meta[PLACEMENT]) for n in nodes if PLACEMENT in n.meta)
@@ -652,19 +656,19 @@ class Summary:
                         fmt_bytes(self.peak_bytes)]]))
         if self.compile_times:
             out.append(("compile time", ["stage", "seconds"],
-                        [[k, f"{v:.3f}"] for k, v in self.compile_times.items()]
-                        + [["total", f"{sum(self.compile_times.values()):.3f}"]]))
+                        [[k, v] for k, v in self.compile_times.items()]
+                        + [["total", sum(self.compile_times.values())]]))
         if self.notes:
             out.append(("passes", ["pass", "what it did"], [[k, v] for k, v in self.notes.items()]))
         out.insert(0, ("step", ["graph nodes", "sizes evaluated at"], [[self.num_nodes, hints]]))
         return out
 
     def to_text(self) -> str:
-        return "\n\n".join(f"{title}\n{tabulate(rows, headers, tablefmt='simple')}"
+        return "\n\n".join(f"{title}\n{tabulate(rows, headers, tablefmt='simple', floatfmt='.3f')}"
                            for title, headers, rows in self.tables()) + "\n"
 
     def to_markdown(self) -> str:
-        return "\n\n".join(f"### {title}\n\n{tabulate(rows, headers, tablefmt='github')}"
+        return "\n\n".join(f"### {title}\n\n{tabulate(rows, headers, tablefmt='github', floatfmt='.3f')}"
                            for title, headers, rows in self.tables()) + "\n"
 
 

@@ -1,0 +1,268 @@
+"""Graph dumps and the summary table of spmd_compiler.visualize, on small traced steps."""
+
+import logging
+import re
+import shutil
+import subprocess
+
+import graphviz
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from passes.meta import BUCKET, COLLECTIVE, PARAM_FQN, PLACEMENT, REGION, ROLE, Region, Role
+from spmd_compiler import visualize
+from spmd_compiler.tracing import trace_step
+
+c10d = torch.ops._c10d_functional
+DOT = shutil.which("dot")
+needs_dot = pytest.mark.skipif(DOT is None, reason="graphviz `dot` binary not installed")
+
+
+class SimpleMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(50, 32)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return torch.sigmoid(self.net2(self.relu(self.net1(x))))
+
+
+def train_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = (model(x) - y).sum()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def _traced(batch=128):
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = (model, optim, (torch.randn(batch, 50), torch.randn(batch, 8)))
+    return model, trace_step(train_step, args, {}, input_batch_dim=0).gm
+
+
+def _insert_all_reduce(gm, node, bucket=None):
+    """all_reduce + wait_tensor after ``node``, later uses read the wait (as an expansion does)."""
+    users = list(node.users)
+    with gm.graph.inserting_after(node):
+        issue = gm.graph.call_function(c10d.all_reduce.default, (node, "avg", "0"))
+    with gm.graph.inserting_after(issue):
+        wait = gm.graph.call_function(c10d.wait_tensor.default, (issue,))
+    for user in users:
+        user.replace_input_with(node, wait)
+    for n in (issue, wait):
+        n.meta.update({"val": node.meta["val"], ROLE: Role.COLLECTIVE, REGION: node.meta[REGION],
+                       PLACEMENT: Replicate()})
+    issue.meta[COLLECTIVE] = dict(kind="all_reduce", bytes=None,
+                                  params=[node.meta[PARAM_FQN]] if PARAM_FQN in node.meta else [])
+    if bucket is not None:
+        issue.meta[BUCKET] = bucket
+    return issue
+
+
+@pytest.fixture
+def expanded():
+    """SimpleMLP's step with one all_reduce per gradient (two buckets) and one on an activation."""
+    model, gm = _traced()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            sym = [d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt)]
+            n.meta[PLACEMENT] = Shard(sym[0]) if sym else Replicate()
+    grads = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.GRAD]
+    for i, g in enumerate(grads):
+        g.meta[PLACEMENT] = Partial("avg")
+        _insert_all_reduce(gm, g, bucket=i // 2)
+    relu = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.relu.default)
+    _insert_all_reduce(gm, relu)
+    gm.recompile()
+    return model, gm, grads, relu
+
+
+def _dot_nodes_with_class(text, cls):
+    return len(re.findall(rf"\bclass={cls}\b", text))
+
+
+def _graph_collectives(gm):
+    issuing = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default,
+               c10d.reduce_scatter_tensor.default}
+    return [n for n in gm.graph.nodes if n.target in issuing]
+
+
+def test_dump_stage_numbers_stages_in_order(tmp_path, expanded):
+    _, gm, _, _ = expanded
+    for stage in ("traced", "expanded", "optimized"):
+        visualize.dump_stage(gm, stage, tmp_path)
+    dots = sorted(p.name for p in tmp_path.glob("*.dot"))
+    assert dots == ["00_traced.collapsed.dot", "00_traced.dot", "01_expanded.collapsed.dot",
+                    "01_expanded.dot", "02_optimized.collapsed.dot", "02_optimized.dot"]
+    written = visualize.dump_stage(gm, "lowered", tmp_path, index=7)
+    assert written[0].name == "07_lowered.dot"
+    assert all(p.exists() and p.stat().st_size > 0 for p in written)
+    assert len(written) == (4 if DOT else 2)
+
+
+@needs_dot
+def test_dot_files_render_with_graphviz(tmp_path, expanded):
+    _, gm, _, _ = expanded
+    for path in visualize.dump_stage(gm, "expanded", tmp_path):
+        if path.suffix != ".dot":
+            continue
+        source = graphviz.Source(path.read_text())
+        res = subprocess.run([DOT, "-Tsvg"], input=source.source, capture_output=True, text=True)
+        assert res.returncode == 0 and "Error" not in res.stderr, res.stderr
+        assert res.stdout.lstrip().startswith("<?xml")
+
+
+def test_every_collective_drawn_once(tmp_path, expanded):
+    _, gm, grads, _ = expanded
+    expected = len(_graph_collectives(gm))
+    assert expected == len(grads) + 1
+    full = visualize.graph_to_dot(gm, "expanded").source
+    assert _dot_nodes_with_class(full, "collective") == expected
+    assert _dot_nodes_with_class(full, "wait") == expected
+    # two gradient buckets of two collectives each become clusters
+    assert len(re.findall(r"subgraph cluster_backward_bucket\d", full)) == 2
+    if DOT:
+        svg = next(p for p in visualize.dump_stage(gm, "x", tmp_path) if p.name == "00_x.svg")
+        assert svg.read_text().count('class="node collective"') == expected
+
+
+def test_full_view_caps_large_graphs(expanded):
+    _, gm, _, _ = expanded
+    capped = visualize.graph_to_dot(gm, "big", max_nodes=10).source
+    drawn = len(re.findall(r"\bclass=(?!copy)\w+", capped))
+    assert drawn == 10
+    assert f"showing the first 10 of {len(gm.graph.nodes)} nodes" in capped
+    full = visualize.graph_to_dot(gm, "big").source
+    assert "capped" not in full
+    assert len(re.findall(r"\bclass=(?!copy)\w+", full)) == len(gm.graph.nodes)
+
+
+def test_edges_carry_symbolic_shapes(expanded):
+    _, gm, _, relu = expanded
+    batch = str(relu.meta["val"].shape[0])
+    full = visualize.graph_to_dot(gm, "x").source
+    assert f'label="{batch}×50"' in full and f'label="{batch}×32"' in full
+    assert 'label="32×50"' in full
+
+
+def test_collapsed_view_groups_by_module():
+    model = SimpleMLP()
+
+    def forward(x):
+        return model(x).sum()
+
+    forward._orig_mod = model  # lets make_fx record nn_module_stack relative to the model
+    gm = make_fx(forward, record_module_stack=True)(torch.randn(4, 50))
+    by_module = {}
+    for n in gm.graph.nodes:
+        stack = n.meta.get("nn_module_stack")
+        if stack:
+            by_module.setdefault(list(stack.values())[-1][0], []).append(n)
+    assert {"net1", "relu", "net2"} <= set(by_module)
+    text = visualize.collapsed_to_dot(gm, "fwd").source
+    for path, members in by_module.items():
+        label = re.search(rf'"?mod_{path}"? \[label="([^"]*)"', text).group(1)
+        assert f"{len(members)} ops" in label
+    for n in by_module["net1"]:  # individual ops are not drawn in the collapsed view
+        assert not re.search(rf"^\s*{n.name} \[", text, re.M)
+
+
+def test_collapsed_view_without_module_stack_groups_by_region(expanded):
+    _, gm, _, _ = expanded
+    text = visualize.collapsed_to_dot(gm, "x").source
+    for region in Region:
+        members = [n for n in gm.graph.nodes if n.op == "call_function"
+                   and n.meta.get(REGION) == region and ROLE not in n.meta
+                   and not visualize.is_collective(n)]
+        if members:
+            assert f"{region.value} (no module)" in text
+    assert _dot_nodes_with_class(text, "collective") == 3  # bucket 0, bucket 1, the relu one
+
+
+def test_summary_counts_and_bytes_match_the_graph(expanded):
+    model, gm, _, relu = expanded
+    batch_sym = str(relu.meta["val"].shape[0])
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    act_bytes = 128 * 32 * 4  # relu output (batch × 32 float32) at the traced batch size
+
+    s = visualize.summarize(gm, compile_times={"trace": 0.25, "expand": 0.5})
+    (stat,) = s.collectives
+    assert (stat.kind, stat.count) == ("all_reduce", 5)
+    assert stat.bytes == grad_bytes + act_bytes
+    assert stat.batch_dependent
+    assert s.size_hints == {batch_sym: 128}
+    assert [(b.bucket, b.count) for b in s.buckets] == [(0, 2), (1, 2)]
+    assert sum(b.bytes for b in s.buckets) == grad_bytes
+    assert sorted(p for b in s.buckets for p in b.params) == sorted(
+        n for n, _ in model.named_parameters())
+    assert {p.fqn: (p.placement, p.local_shape) for p in s.params} == {
+        n: ("R", tuple(p.shape)) for n, p in model.named_parameters()}
+    assert s.persistent_bytes["params"] == s.persistent_bytes["grads"] == grad_bytes
+    assert s.persistent_bytes["total persistent"] == 2 * grad_bytes
+
+    half = visualize.summarize(gm, size_hints={batch_sym: 64})
+    assert half.collectives[0].bytes == grad_bytes + act_bytes // 2
+    assert half.peak_bytes < s.peak_bytes
+
+    text, md = s.to_text(), s.to_markdown()
+    assert "all_reduce" in text and f"{batch_sym}=128" in text and "0.250" in text
+    assert "| all_reduce" in md and "net1.weight" in md
+
+
+def test_peak_memory_liveness_walk():
+    def f(x):
+        a = x * 2  # +16 B
+        b = a + 1  # +16 B, then a dies
+        c = b.view(-1)  # alias of b: no allocation
+        d = c * 3  # +16 B, then b (and c) die
+        d.add_(1)  # in place: no allocation
+        return d
+
+    gm = make_fx(f)(torch.randn(4))
+    peak, _ = visualize.estimate_peak_memory(gm)
+    # x (16, live throughout) + a + b = 48; later x + b + d = 48 as well.
+    assert peak == 48
+
+    def g(x):
+        a = x * 2
+        b = a * 3  # a still live for the output
+        return a, b
+
+    assert visualize.estimate_peak_memory(make_fx(g)(torch.randn(4)))[0] == 48
+
+
+def test_write_summary(tmp_path, expanded):
+    _, gm, _, _ = expanded
+    paths = visualize.write_summary(visualize.summarize(gm), tmp_path / "dump")
+    assert [p.name for p in paths] == ["summary.txt", "summary.md"]
+    assert "collectives per step" in paths[0].read_text()
+    assert "### parameters" in paths[1].read_text()
+
+
+def test_missing_dot_logs_once(tmp_path, expanded, monkeypatch, caplog):
+    _, gm, _, _ = expanded
+    monkeypatch.setattr(visualize.shutil, "which", lambda name: None)
+    monkeypatch.setattr(visualize, "_svg_skip_logged", False)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"):
+        a = visualize.dump_stage(gm, "a", tmp_path)
+        b = visualize.dump_stage(gm, "b", tmp_path)
+    assert all(p.suffix == ".dot" for p in a + b) and len(a + b) == 4
+    assert sum("not found" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_placement_text():
+    assert visualize.placement_str(Shard(1)) == "S(1)"
+    assert visualize.placement_str(Replicate()) == "R"
+    assert visualize.placement_str(Partial("avg")) == "P(avg)"
+    assert visualize.placement_str([Shard(0), None]) == "S(0),-"
+    assert visualize.placement_kind([Partial("sum")]) == "partial"
