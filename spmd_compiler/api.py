@@ -17,10 +17,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from passes import batch_dim
 from passes.cleanup import eliminate_dead_code
 from passes.replicate import expand_replicate
 
-from .errors import NoProcessGroupError, SPMDError
+from .errors import BatchDimError, NoProcessGroupError, SPMDError
 from .parallel_mode import DataParallel
 from .runtime import CompiledGraph, default_mesh, module_device, place_state
 from .tracing import LIFTED_HPARAMS, StepArgs, split_step_args, trace_step
@@ -110,11 +111,16 @@ class CompiledStep:
         stage("traced", traced.gm, t)
 
         t = time.perf_counter()
+        analyze(traced.gm)
+        stage("analyzed", traced.gm, t)
+
+        t = time.perf_counter()
         group = mesh.get_group()
         gm = expand_replicate(
             traced.gm, group_name=group.group_name, world_size=mesh.size(),
             broadcast_buffers=self.parallel_mode.broadcast_buffers,
         )
+        analyze(gm)
         stage("expanded", gm, t)
 
         t = time.perf_counter()
@@ -138,12 +144,38 @@ class CompiledStep:
         self.compile_count += 1
         self.last_compile_seconds = time.perf_counter() - start
         self.last_compiled = entry
+        if self.dump_dir:
+            from .visualize import write_summary
+
+            write_summary(entry_summary(entry), self.dump_dir)
         _info(
             "spmd_compiler: compiled %s (%s, %d nodes) in %.2fs",
             self.__name__, self.parallel_mode.parallel_style, len(gm.graph.nodes),
             self.last_compile_seconds,
         )
         return entry
+
+
+def analyze(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Placement propagation (passes/batch_dim.py), its failures raised as SPMDErrors."""
+    try:
+        return batch_dim.annotate_placements(gm)
+    except batch_dim.BatchDimError as e:
+        raise BatchDimError(str(e)) from e
+
+
+def entry_summary(entry: CompiledGraph):
+    """The visualize.Summary of a compiled graph."""
+    from .visualize import summarize
+
+    return summarize(entry.traced.gm, compile_times=entry.stage_seconds)
+
+
+def summary_text(step: CompiledStep) -> str | None:
+    """The summary table of the step's last compiled graph (None before its first call)."""
+    if step.last_compiled is None:
+        return None
+    return entry_summary(step.last_compiled).to_text()
 
 
 def _hashable(x: Any) -> Any:
