@@ -1,0 +1,264 @@
+"""The ways a benchmark step can be run: eager references, compiled modes and lower-bound parts.
+
+A mode turns a ``ModelSpec`` into a ``Runner`` on every rank. To add a mode, add a ``Mode`` to
+``MODES`` (``spmd_modes`` adds one per spmd_compiler parallel style and backend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .models import Batch, ModelSpec, make_train_step
+
+
+class NotAvailable(Exception):
+    """The mode cannot run here (implementation missing or unsupported); reported as n/a."""
+
+
+@dataclass
+class Runner:
+    """One rank's prepared step.
+
+    ``module``/``optim`` are None for modes that hold no training state (``comm``).
+    ``compile_seconds`` returns the compiler's own first-call figure, when it reports one.
+    """
+
+    step: Callable[[Batch], Any]
+    module: nn.Module | None = None
+    optim: torch.optim.Optimizer | None = None
+    compile_seconds: Callable[[], float | None] = lambda: None
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A named way to run the step.
+
+    ``comm`` describes the collectives of one step as ``{kind: payload_bytes}`` given the model
+    (``kind`` is all_reduce, all_gather or reduce_scatter; payload = full tensor bytes).
+    ``reference`` modes form the lower bound and have no parity figure.
+    """
+
+    name: str
+    prepare: Callable[[ModelSpec, int], Runner]
+    comm: Callable[[ModelSpec, nn.Module], dict[str, int]]
+    description: str
+    reference: bool = False
+    sharded: bool = False
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def _unsharded_root_bytes(spec: ModelSpec, model: nn.Module) -> int:
+    """Bytes of parameters outside every FSDP2 block (kept gathered from forward to backward)."""
+    in_blocks = {
+        id(p) for m in model.modules() if isinstance(m, spec.blocks) for p in m.parameters()
+    }
+    return sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if p.requires_grad and id(p) not in in_blocks
+    )
+
+
+def _replicate_comm(spec: ModelSpec, model: nn.Module) -> dict[str, int]:
+    return {"all_reduce": param_bytes(model)}
+
+
+def _fsdp2_comm(spec: ModelSpec, model: nn.Module) -> dict[str, int]:
+    # Blocks gather for forward and again for backward (reshard_after_forward=True); FSDP2 keeps
+    # the root's own parameters gathered after forward, so those are gathered once.
+    p = param_bytes(model)
+    return {"all_gather": 2 * p - _unsharded_root_bytes(spec, model), "reduce_scatter": p}
+
+
+def _fully_shard_comm(spec: ModelSpec, model: nn.Module) -> dict[str, int]:
+    p = param_bytes(model)
+    return {"all_gather": 2 * p, "reduce_scatter": p}
+
+
+def _no_comm(spec: ModelSpec, model: nn.Module) -> dict[str, int]:
+    return {}
+
+
+# --- eager references -------------------------------------------------------------------------
+
+
+def _prepare_ddp(spec: ModelSpec, world_size: int) -> Runner:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(spec.build())
+    optim = spec.optim.build(ddp.parameters())
+    train_step = make_train_step(spec.loss_fn)
+    return Runner(lambda batch: train_step(ddp, optim, batch), ddp.module, optim)
+
+
+def _prepare_fsdp2(spec: ModelSpec, world_size: int) -> Runner:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = spec.build()
+    for block in [m for m in model.modules() if isinstance(m, spec.blocks) and m is not model]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = spec.optim.build(model.parameters())
+    train_step = make_train_step(spec.loss_fn)
+    return Runner(lambda batch: train_step(model, optim, batch), model, optim)
+
+
+def _prepare_compute(spec: ModelSpec, world_size: int) -> Runner:
+    model = spec.build()
+    optim = spec.optim.build(model.parameters())
+    train_step = make_train_step(spec.loss_fn)
+    return Runner(lambda batch: train_step(model, optim, batch), model, optim)
+
+
+def _prepare_comm(spec: ModelSpec, world_size: int) -> Runner:
+    numel = sum(p.numel() for p in spec.build().parameters() if p.requires_grad)
+    flat = torch.zeros(numel)
+    return Runner(lambda batch: dist.all_reduce(flat))
+
+
+# --- spmd_compiler ----------------------------------------------------------------------------
+
+
+def _spmd_prepare(style: str, backend: str) -> Callable[[ModelSpec, int], Runner]:
+    def prepare(spec: ModelSpec, world_size: int) -> Runner:
+        try:
+            from spmd_compiler import DataParallel, spmd_compile
+        except ImportError as e:
+            raise NotAvailable(f"spmd_compiler not importable: {e}") from e
+        model = spec.build()
+        optim = spec.optim.build(model.parameters())
+        kwargs = {} if backend == "eager" else {"backend": backend}
+        step = spmd_compile(DataParallel(style), **kwargs)(make_train_step(spec.loss_fn))
+        return Runner(
+            lambda batch: step(model, optim, batch),
+            model,
+            optim,
+            lambda: _compile_seconds(step),
+        )
+
+    return prepare
+
+
+def _compile_seconds(step) -> float | None:
+    for attr in ("compile_seconds", "last_compile_seconds"):
+        value = getattr(step, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def spmd_backends() -> tuple[str, ...]:
+    """Backends spmd_compiler offers (``BACKENDS`` in spmd_compiler.api), else just eager."""
+    try:
+        from spmd_compiler import api
+    except ImportError:
+        return ("eager",)
+    return tuple(getattr(api, "BACKENDS", ("eager",)))
+
+
+def spmd_modes() -> list[Mode]:
+    modes = []
+    for style, comm in (("replicate", _replicate_comm), ("fully_shard", _fully_shard_comm)):
+        for backend in spmd_backends():
+            suffix = "" if backend == "eager" else f"_{backend}"
+            modes.append(
+                Mode(
+                    f"spmd_{style}{suffix}",
+                    _spmd_prepare(style, backend),
+                    comm,
+                    f"spmd_compile(DataParallel({style!r}), backend={backend!r})",
+                    sharded=style == "fully_shard",
+                )
+            )
+    return modes
+
+
+def all_modes(spmd: list[Mode] | None = None) -> dict[str, Mode]:
+    """Every mode, references first (DDP is the parity and ratio baseline).
+
+    ``spmd`` defaults to ``spmd_modes()``, which imports spmd_compiler to list its backends.
+    """
+    modes = [
+        Mode("ddp", _prepare_ddp, _replicate_comm, "eager DistributedDataParallel"),
+        Mode(
+            "fsdp2",
+            _prepare_fsdp2,
+            _fsdp2_comm,
+            "eager fully_shard per block, then root",
+            sharded=True,
+        ),
+        *(spmd_modes() if spmd is None else spmd),
+        Mode(
+            "compute",
+            _prepare_compute,
+            _no_comm,
+            "single-device step on the local batch, no communication",
+            reference=True,
+        ),
+        Mode(
+            "comm",
+            _prepare_comm,
+            _replicate_comm,
+            "one all_reduce of all gradient bytes as a single flat buffer",
+            reference=True,
+        ),
+    ]
+    return {m.name: m for m in modes}
+
+
+def get_mode(name: str) -> Mode:
+    """The mode called ``name``, importing spmd_compiler only for spmd modes."""
+    modes = all_modes(spmd=[])
+    return modes[name] if name in modes else {m.name: m for m in spmd_modes()}[name]
+
+
+# --- per-rank figures -------------------------------------------------------------------------
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        local = _local(t)
+        if id(local) not in seen:
+            seen.add(id(local))
+            total += local.numel() * local.element_size()
+    return total
+
+
+def persistent_bytes(runner: Runner) -> dict[str, int] | None:
+    """Bytes this rank holds for params, grads and optimizer state (local shards of DTensors)."""
+    if runner.module is None:
+        return None
+    params = list(runner.module.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [
+        v for s in runner.optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    out = {"params": _bytes(params), "grads": _bytes(grads), "optim": _bytes(states)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def full_params(runner: Runner) -> dict[str, torch.Tensor] | None:
+    """Full parameters by name (a collective for sharded DTensors: every rank must call)."""
+    if runner.module is None:
+        return None
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in runner.module.named_parameters()
+    }

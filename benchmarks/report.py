@@ -1,0 +1,239 @@
+"""Render results: terminal table, docs/benchmarks.md and the bar chart, all from the JSON.
+
+``python -m benchmarks.report [--json F] [--md F] [--png F]`` regenerates the docs from a results
+file without rerunning anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from tabulate import tabulate
+
+from .results import MB
+
+HEADERS = [
+    "model",
+    "mode",
+    "step ms (median)",
+    "p10-p90 ms",
+    "x DDP",
+    "x FSDP2",
+    "x lower bound",
+    "compile s",
+    "persistent/rank",
+    "peak RSS/rank",
+    "comm/step",
+    "parity max|diff|",
+]
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _size(n: float) -> str:
+    """Bytes in binary units: 7.4 KiB, 68.2 MiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _per_rank(values) -> str:
+    """A per-rank byte figure as one value, or min-max when ranks differ."""
+    if not values or any(v is None for v in values):
+        return "-"
+    lo, hi = _size(min(values)), _size(max(values))
+    return lo if lo == hi else f"{lo} - {hi}"
+
+
+def rows(results: dict, reason_width: int | None = 60) -> list[list[str]]:
+    out = []
+    for model in results["models"]:
+        for r in model["results"]:
+            if r["status"] != "ok":
+                reason = r.get("reason", "")
+                if reason_width and len(reason) > reason_width:
+                    reason = reason[: reason_width - 3] + "..."
+                out.append([model["name"], r["mode"], r["status"], reason] + [""] * 8)
+                continue
+            s = r["step_ms"]
+            out.append(
+                [
+                    model["name"],
+                    r["mode"],
+                    f"{s['median']:.1f}",
+                    f"{s['p10']:.1f}-{s['p90']:.1f}",
+                    _fmt(r["ratio_to_ddp"], ".2f"),
+                    _fmt(r["ratio_to_fsdp2"] if r.get("sharded") else None, ".2f"),
+                    _fmt(r["ratio_to_lower_bound"], ".2f"),
+                    _fmt(r["compile_s"], ".2f"),
+                    _per_rank(r["persistent_bytes_per_rank"]),
+                    _per_rank([mb * MB for mb in r["rss_peak_mb_per_rank"]]),
+                    _size(r["comm_total_bytes"]),
+                    _fmt(r["parity_max_abs_diff"], ".1e"),
+                ]
+            )
+    return out
+
+
+def table(results: dict, fmt: str = "simple") -> str:
+    return tabulate(rows(results), headers=HEADERS, tablefmt=fmt, disable_numparse=True)
+
+
+def progress_line(model: str, record: dict) -> str:
+    """One line per finished (model, mode) job."""
+    if record["status"] != "ok":
+        return f"{model:>11} {record['mode']:<22} {record['status']}: {record.get('reason', '')}"
+    s = record["step_ms"]
+    return (
+        f"{model:>11} {record['mode']:<22} median {s['median']:8.1f} ms "
+        f"(p10 {s['p10']:.1f}, p90 {s['p90']:.1f}), first call {record['first_call_s']:.2f} s"
+    )
+
+
+def chart(results: dict, path: Path) -> str | None:
+    """Bar chart of median step time (p10-p90 whiskers) per mode, one panel per model.
+
+    Returns a note instead of drawing when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): chart skipped"
+    models = results["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        ok = [r for r in model["results"] if r["status"] == "ok"]
+        names = [r["mode"] for r in ok]
+        med = [r["step_ms"]["median"] for r in ok]
+        err = [
+            [m - r["step_ms"]["p10"] for m, r in zip(med, ok)],
+            [r["step_ms"]["p90"] - m for m, r in zip(med, ok)],
+        ]
+        colors = ["tab:gray" if r.get("reference") else "tab:blue" for r in ok]
+        colors = [
+            "tab:orange" if n.startswith("spmd") else c for n, c in zip(names, colors)
+        ]
+        ax.bar(range(len(ok)), med, yerr=err, color=colors, capsize=3)
+        if model.get("lower_bound_ms"):
+            ax.axhline(model["lower_bound_ms"], color="black", ls="--", lw=1, label="lower bound")
+            ax.legend(loc="upper left", fontsize=8)
+        ax.set_xticks(range(len(ok)), names, rotation=45, ha="right", fontsize=8)
+        ax.set_title(model["name"])
+        ax.set_ylabel("step time, ms (median, p10-p90)")
+    fig.suptitle(
+        f"world size {results['config']['world_size']}, gloo on loopback, 1 thread per rank"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> str:
+    m, cfg = results["machine"], results["config"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks.report` from "
+        f"`{results['config']['out']}`; do not edit by hand.",
+        "",
+        "## Setup",
+        "",
+        f"- Command: `{results['command']}`",
+        f"- Date (UTC): {m['date']}",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; "
+        f"Python {m['python']}, torch {m['torch']}",
+        f"- World size {cfg['world_size']} (gloo on 127.0.0.1, one process per rank, "
+        "`torch.set_num_threads(1)`), every (model, mode) in fresh processes",
+        f"- First call (compiles for spmd modes) + {cfg['warmup']} warm-up steps, "
+        f"then {cfg['steps']} timed steps",
+        "",
+        "## Models",
+        "",
+        tabulate(
+            [
+                [x["name"], x["description"], f"{x['params']:,}", x["optimizer"], x["batch"]]
+                for x in results["models"]
+            ],
+            headers=["model", "what", "params", "optimizer", "batch/rank"],
+            tablefmt="github",
+        ),
+        "",
+        "## Results",
+        "",
+        tabulate(rows(results, reason_width=None), headers=HEADERS, tablefmt="github",
+                 disable_numparse=True),
+        "",
+    ]
+    if chart_rel:
+        lines += [f"![step time per mode]({chart_rel})", ""]
+    if chart_note:
+        lines += [f"Chart: {chart_note}.", ""]
+    lines += [
+        "## How to read this",
+        "",
+        "- **step ms**: per step, the slowest rank's wall time (every rank times each step; the "
+        "max over ranks is taken after the loop with one all_reduce(MAX), so timing adds no "
+        "synchronisation). Median and p10-p90 over the timed steps.",
+        "- **x DDP / x FSDP2**: median over eager DDP's (FSDP2's, for the sharded modes) median.",
+        "- **lower bound** = max(`compute`, `comm`): `compute` is the same single-device step on "
+        "the local batch with no communication (run on every rank at once, so the machine is as "
+        "loaded as in the real modes); `comm` is one all_reduce of all gradient bytes as a single "
+        "flat buffer. No data-parallel step can beat either; a ratio near 1 means nothing is left "
+        "to gain from overlap.",
+        "- **compile s**: the compiler's own first-call figure (spmd modes); the first call's wall "
+        "time of every mode is in the JSON (`first_call_s`).",
+        "- **persistent/rank**: params + grads + optimizer state that stay alive between steps, "
+        "counted from the real local tensors (`to_local()` of DTensors), per rank (min-max).",
+        "- **peak RSS/rank**: `ru_maxrss` of the rank's process (each job has fresh processes; "
+        "this includes the Python + torch baseline, listed as `rss_base_mb_per_rank` in the JSON).",
+        "- **comm/step**: analytic collective payload per step (full tensor bytes): replicate "
+        "and DDP all-reduce every gradient; fully_shard gathers the parameters for forward and "
+        "again for backward and reduce-scatters the gradients; FSDP2 keeps its root's own "
+        "parameters gathered after forward, so those are gathered once. Ring wire bytes per rank "
+        "are in the JSON (`wire_bytes_per_rank`).",
+        "- **parity**: max |parameter - DDP's parameter| after the same steps from the same "
+        "initialization on the same per-rank data (float32). References have none.",
+        "",
+    ]
+    notes = results.get("notes") or []
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def write_docs(results: dict, md_path: Path, png_path: Path) -> str | None:
+    """Write the chart and the markdown page; returns the chart note (None if drawn)."""
+    note = chart(results, png_path)
+    rel = None if note else os.path.relpath(png_path, md_path.parent)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(markdown(results, rel, note))
+    return note
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="benchmarks/results.json", help="results file to read")
+    parser.add_argument("--md", default="docs/benchmarks.md", help="markdown page to write")
+    parser.add_argument("--png", default="docs/img/benchmarks.png", help="chart to write")
+    args = parser.parse_args(argv)
+    results = json.loads(Path(args.json).read_text())
+    print(table(results))
+    note = write_docs(results, Path(args.md), Path(args.png))
+    if note:
+        print(note)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Benchmark spmd_compiler against eager DDP and FSDP2, with the lower bound, in one run.
+
+Every (model, mode) runs on WORLD_SIZE fresh gloo ranks on 127.0.0.1 with one thread each.
+Prints one line per finished job, then a table; writes the JSON results, docs/benchmarks.md and the
+chart (when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from .models import MODELS, param_count
+from .modes import all_modes
+from .report import progress_line, table, write_docs
+from .results import add_comparisons, summarize
+from .worker import Job, launch
+
+
+def _csv(choices: dict):
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown)}; choose from {', '.join(choices)}"
+            )
+        return names
+
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    modes = all_modes()
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="models: "
+        + "; ".join(f"{k} = {v.description}" for k, v in MODELS.items())
+        + ".  modes: "
+        + "; ".join(f"{k} = {v.description}" for k, v in modes.items())
+        + ".",
+    )
+    parser.add_argument(
+        "--models",
+        type=_csv(MODELS),
+        default=list(MODELS),
+        help="comma-separated models to run (default: all)",
+    )
+    parser.add_argument(
+        "--modes",
+        type=_csv(modes),
+        default=list(modes),
+        help="comma-separated modes to run (default: all; ddp is the parity/ratio baseline, "
+        "compute and comm form the lower bound)",
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default: 2)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed steps after the first call (default: 3)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="per-rank batch size for every model (default: each model's own)",
+    )
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results.json",
+        help="JSON results file (default: benchmarks/results.json)",
+    )
+    parser.add_argument(
+        "--md", default="docs/benchmarks.md", help="markdown page (default: docs/benchmarks.md)"
+    )
+    parser.add_argument(
+        "--png",
+        default="docs/img/benchmarks.png",
+        help="bar chart (default: docs/img/benchmarks.png; skipped without matplotlib)",
+    )
+    parser.add_argument("--no-docs", action="store_true", help="write only the JSON file")
+    parser.add_argument("--seed", type=int, default=0, help="init and data seed (default: 0)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a job's collectives time out and it is reported as error "
+        "(default: 600)",
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.world_size < 1:
+        parser.error("need --steps >= 1, --warmup >= 0, --world-size >= 1")
+    order = list(modes)
+    args.modes = sorted(set(args.modes), key=order.index)
+    return args
+
+
+def machine() -> dict:
+    cpu = "unknown CPU"
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict:
+    spec, modes = MODELS[name], all_modes()
+    batch = args.batch or spec.batch
+    model = spec.build()
+    numel, tensors = param_count(model)
+    records = []
+    for mode_name in args.modes:
+        mode = modes[mode_name]
+        job = Job(name, mode_name, args.world_size, batch, args.warmup, args.steps, args.seed,
+                  args.timeout)
+        record = summarize(mode, launch(job), mode.comm(spec, model), args.world_size)
+        records.append(record)
+        print(progress_line(name, record), flush=True)
+    lower = add_comparisons(records)
+    return {
+        "name": name,
+        "description": spec.description,
+        "params": numel,
+        "param_tensors": tensors,
+        "optimizer": spec.optim.label(),
+        "batch": batch,
+        "lower_bound_ms": lower,
+        "results": records,
+    }
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    results = {
+        "command": shlex.join(["python", "-m", "benchmarks.run", *argv]),
+        "machine": machine(),
+        "config": {
+            "world_size": args.world_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "out": args.out,
+        },
+        "models": [],
+    }
+    for name in args.models:
+        results["models"].append(run_model(name, args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print()
+    print(table(results))
+    print(f"\nresults: {out}")
+    if not args.no_docs:
+        note = write_docs(results, Path(args.md), Path(args.png))
+        print(f"docs: {args.md}" + (f" ({note})" if note else f", chart: {args.png}"))
+    errors = [r for m in results["models"] for r in m["results"] if r["status"] == "error"]
+    for r in errors:
+        print(f"\n{r['mode']} failed:\n{r.get('traceback', r.get('reason'))}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""What every rank runs for one (model, mode) job, and how the parent launches the ranks.
+
+Each job gets fresh processes, so the peak RSS of a rank belongs to that job alone (it includes
+the Python + torch baseline, which is reported separately as ``rss_base_bytes``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .models import MODELS
+from .modes import NotAvailable, full_params, get_mode, persistent_bytes
+
+
+@dataclass(frozen=True)
+class Job:
+    """One (model, mode) measurement. ``batch`` is the per-rank batch size."""
+
+    model: str
+    mode: str
+    world_size: int
+    batch: int
+    warmup: int
+    steps: int
+    seed: int = 0
+    timeout_s: float = 300.0
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _unavailable(exc: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return isinstance(exc, (NotAvailable, NotImplementedError, ImportError)) or "SPMDError" in names
+
+
+def _batches(job: Job, rank: int):
+    """Different data on every rank and step, identical across modes."""
+    spec = MODELS[job.model]
+    out = []
+    for i in range(1 + job.warmup + job.steps):
+        gen = torch.Generator().manual_seed(job.seed * 1_000_003 + rank * 10_007 + i)
+        out.append(spec.make_batch(gen, job.batch))
+    return out
+
+
+def _measure(job: Job, rank: int) -> dict:
+    spec, mode = MODELS[job.model], get_mode(job.mode)
+    batches = _batches(job, rank)
+    torch.manual_seed(job.seed)  # same initial parameters on every rank and in every mode
+    runner = mode.prepare(spec, job.world_size)
+
+    start = time.perf_counter()
+    runner.step(batches[0])
+    first_call = time.perf_counter() - start
+    for batch in batches[1 : 1 + job.warmup]:
+        runner.step(batch)
+    times = []
+    for batch in batches[1 + job.warmup :]:
+        start = time.perf_counter()
+        loss = runner.step(batch)
+        times.append(time.perf_counter() - start)
+
+    # Step time = slowest rank per step, reduced after the loop so timing has no extra syncs.
+    per_step = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    first = torch.tensor([first_call], dtype=torch.float64)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    return {
+        "step_seconds": per_step.tolist(),
+        "first_call_seconds": first.item(),
+        "compile_seconds": runner.compile_seconds(),
+        "persistent_bytes": persistent_bytes(runner),
+        "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else None,
+        "params": None if mode.reference else full_params(runner),
+    }
+
+
+def rank_main(rank: int, job: Job, port: int, out_dir: str) -> None:
+    """Entry point of one rank: init gloo on loopback, measure, write ``rank{r}.pt``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=job.world_size,
+        timeout=datetime.timedelta(seconds=job.timeout_s),
+    )
+    result = {"rank": rank, "status": "ok", "rss_base_bytes": _max_rss_bytes()}
+    try:
+        result.update(_measure(job, rank))
+    except Exception as exc:  # reported per job; one failing mode must not end the run
+        result["status"] = "n/a" if _unavailable(exc) else "error"
+        result["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        if result["status"] == "error":
+            result["traceback"] = traceback.format_exc()
+    result["rss_peak_bytes"] = _max_rss_bytes()
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: seconds per job, nothing left to clean up
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context():
+    """Fresh rank processes forked from a server that has already imported torch and the modes.
+
+    Forking from that clean server saves the multi-second torch import per job while every job
+    still gets new processes (own peak RSS, no state left from earlier jobs).
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["benchmarks.worker", "torch.nn.parallel", "torch.distributed.fsdp", "torch._dynamo",
+         "spmd_compiler"]
+    )
+    return ctx
+
+
+def launch(job: Job) -> list[dict]:
+    """Run ``job`` on ``world_size`` fresh spawned ranks; returns every rank's result dict."""
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="spmd_bench_") as out_dir:
+        port = _free_port()
+        procs = [
+            ctx.Process(target=rank_main, args=(r, job, port, out_dir), daemon=True)
+            for r in range(job.world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + job.timeout_s + 60
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        timed_out = [p for p in procs if p.is_alive()]
+        for p in timed_out:
+            p.kill()
+            p.join()
+        results = []
+        for r, p in enumerate(procs):
+            path = Path(out_dir) / f"rank{r}.pt"
+            if path.exists():
+                results.append(torch.load(path, weights_only=False))
+            else:
+                reason = "timed out" if p in timed_out else f"exit code {p.exitcode}"
+                results.append({"rank": r, "status": "error", "reason": f"rank {r} {reason}"})
+        return results
+
