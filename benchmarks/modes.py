@@ -231,13 +231,9 @@ def get_mode(name: str) -> Mode:
 
 
 def _bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        local = _local(t)
-        if id(local) not in seen:
-            seen.add(id(local))
-            total += local.numel() * local.element_size()
-    return total
+    """Bytes of the distinct tensors' local data (each counted once)."""
+    distinct = {id(t): t for t in tensors}.values()  # ids of the caller's live tensors
+    return sum(_local(t).numel() * _local(t).element_size() for t in distinct)
 
 
 def persistent_bytes(runner: Runner) -> dict[str, int] | None:

@@ -1,0 +1,127 @@
+"""Smoke test of the benchmark harness: SimpleMLP, 2 timed steps per mode, world size 2.
+
+Runs ``python -m benchmarks.run`` as a subprocess (real gloo ranks on loopback) and checks that
+the JSON has every figure with sane values. No timing thresholds.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.models import MODELS, param_count
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ["ddp", "fsdp2", "spmd_replicate", "compute", "comm"]
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [
+        sys.executable, "-m", "benchmarks.run",
+        "--models", "simple_mlp",
+        "--modes", ",".join(MODES),
+        "--world-size", str(WORLD),
+        "--steps", "2",
+        "--warmup", "1",
+        "--batch", "16",
+        "--out", str(out / "results.json"),
+        "--md", str(out / "benchmarks.md"),
+        "--png", str(out / "img" / "benchmarks.png"),
+        "--timeout", "120",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for mode in MODES:  # one progress line per finished job
+        assert f" {mode} " in proc.stdout
+    data = json.loads((out / "results.json").read_text())
+    data["_md"] = (out / "benchmarks.md").read_text()
+    return data
+
+
+@pytest.fixture(scope="module")
+def by_mode(results):
+    (model,) = results["models"]
+    return {r["mode"]: r for r in model["results"]}
+
+
+@pytest.fixture(scope="module")
+def sizes():
+    numel, tensors = param_count(MODELS["simple_mlp"].build())
+    return numel, tensors
+
+
+def test_every_mode_ran(by_mode):
+    assert list(by_mode) == MODES
+    for mode, r in by_mode.items():
+        assert r["status"] == "ok", (mode, r.get("reason"), r.get("traceback"))
+
+
+def test_step_times(by_mode):
+    for r in by_mode.values():
+        s = r["step_ms"]
+        assert len(r["steps_ms"]) == 2
+        assert all(t > 0 for t in r["steps_ms"])
+        assert 0 < s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= s["max"]
+        assert r["first_call_s"] > 0
+        assert r["ratio_to_ddp"] > 0 and r["ratio_to_lower_bound"] > 0
+    assert by_mode["ddp"]["ratio_to_ddp"] == pytest.approx(1.0)
+    assert by_mode["spmd_replicate"]["compile_s"] > 0
+
+
+def test_lower_bound(results, by_mode):
+    lower = results["models"][0]["lower_bound_ms"]
+    assert lower == max(by_mode["compute"]["step_ms"]["median"], by_mode["comm"]["step_ms"]["median"])
+
+
+def test_persistent_bytes(by_mode, sizes):
+    numel, tensors = sizes
+    # params + grads + Adam exp_avg + exp_avg_sq, float32, plus one float32 step per tensor.
+    full = {"params": 4 * numel, "grads": 4 * numel, "optim": 8 * numel + 4 * tensors}
+    full["total"] = sum(full.values())
+    for mode in ("ddp", "compute"):
+        assert by_mode[mode]["persistent_breakdown_per_rank"] == [full] * WORLD
+    fsdp2 = by_mode["fsdp2"]["persistent_breakdown_per_rank"]
+    for key in ("params", "grads", "optim"):  # dim-0 shards add up to the full tensors
+        assert sum(r[key] for r in fsdp2) == full[key] + (4 * tensors * (WORLD - 1) if key == "optim" else 0)
+    for r in by_mode["spmd_replicate"]["persistent_breakdown_per_rank"]:
+        assert r["params"] == full["params"] and r["optim"] == full["optim"]
+        assert r["grads"] in (0, full["grads"])
+    assert by_mode["comm"]["persistent_bytes_per_rank"] == [None] * WORLD
+
+
+def test_comm_bytes(by_mode, sizes):
+    grad_bytes = 4 * sizes[0]
+    for mode in ("ddp", "spmd_replicate", "comm"):
+        assert by_mode[mode]["comm_bytes_per_step"] == {"all_reduce": grad_bytes}
+    # SimpleMLP's FSDP2 units are its two Linear layers: nothing stays gathered at the root.
+    assert by_mode["fsdp2"]["comm_bytes_per_step"] == {
+        "all_gather": 2 * grad_bytes,
+        "reduce_scatter": grad_bytes,
+    }
+    assert by_mode["compute"]["comm_total_bytes"] == 0
+
+
+def test_memory(by_mode):
+    for r in by_mode.values():
+        for base, peak in zip(r["rss_base_mb_per_rank"], r["rss_peak_mb_per_rank"]):
+            assert 0 < base <= peak
+
+
+def test_parity(by_mode):
+    assert by_mode["ddp"]["parity_max_abs_diff"] == 0.0
+    for mode in ("fsdp2", "spmd_replicate"):
+        assert by_mode[mode]["parity_max_abs_diff"] < 1e-5, mode
+    for mode in ("compute", "comm"):
+        assert by_mode[mode]["parity_max_abs_diff"] is None
+
+
+def test_docs(results):
+    md = results["_md"]
+    assert results["machine"]["torch"] in md and results["command"] in md
+    for mode in MODES:
+        assert f"| {mode} " in md
