@@ -75,9 +75,10 @@ def pool(request: pytest.FixtureRequest, _multirank_pools) -> WorkerPool:
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     for ws, pool in sorted(_POOLS.items()):
         times = ", ".join(f"{t:.1f}" for t in pool.start_times) or "-"
+        waits = ", ".join(f"{t:.1f}" for t in pool.start_waits) or "-"
         line = (
             f"multirank pool ws={ws}: {pool.jobs} jobs, started {pool.starts}x "
-            f"(start-up s: {times})"
+            f"(start-up s: {times}; waited s: {waits})"
         )
         if pool.restart_reasons:
             line += f", restarted after: {'; '.join(pool.restart_reasons)}"

@@ -1,7 +1,7 @@
 """Multi-rank test harness: persistent gloo worker pools on loopback.
 
-A :class:`WorkerPool` owns ``world_size`` worker processes (multiprocessing "spawn" context). Each
-worker puts the repository root on ``sys.path``, calls ``torch.set_num_threads(1)``, joins a real
+A :class:`WorkerPool` owns ``world_size`` worker processes. Each worker puts the repository root
+on ``sys.path``, calls ``torch.set_num_threads(1)``, joins a real
 gloo default process group (``torch.distributed.init_process_group("gloo", ...)``) and then serves
 jobs until the pool is closed. A job is a module-level function, sent by name
 (``(fn.__module__, fn.__qualname__)``) together with picklable arguments; every rank runs
@@ -28,10 +28,20 @@ Failure handling (``WorkerPool.run``):
 - A worker process died (``os._exit``, a crash, a signal): :class:`WorkerDied` with its exit code.
 
 After any failure the worker processes are killed at once (ranks may be out of sync: one rank left
-a collective that the others are still in) and the next ``run`` transparently starts a fresh pool.
-The same happens when a job destroyed the default process group. A job that should check an
+a collective that the others are still in) and fresh ones are launched right away; the next
+``run`` waits for them to join the process group, transparently. A job that destroyed the default
+process group also gets the pool restarted. A job that should check an
 expected exception must catch it inside the worker function and return something, so the pool
 stays up.
+
+Start method: "forkserver" by default, "spawn" with ``start_method="spawn"`` or the environment
+variable ``MULTIRANK_START_METHOD=spawn``. Both start workers from a clean single-threaded process,
+never by forking the test process itself. With spawn every worker imports torch (about 2 s of CPU
+each, so a world-size-3 pool on 2 cores takes 3-5 s to start, and as long again after every
+failure); the fork server imports torch once per test session (``_FORKSERVER_PRELOAD``) and every
+later pool start or restart forks ready workers in well under a second. A side effect: workers
+see the environment variables of the moment the fork server started (the first pool start of
+the session), not later changes.
 
 Process group rendezvous: the test process hosts a ``TCPStore`` on 127.0.0.1, port 0 (the kernel
 picks a free port, so there is no race between finding a port and binding it), and the workers
@@ -49,6 +59,9 @@ the test function, e.g. with :func:`rank_data` or ``torch.manual_seed``), import
 their globals, ``logging`` configuration (including the ``spmd_compiler`` logger level),
 ``torch._dynamo`` caches, process subgroups created with ``dist.new_group``, the working
 directory and environment variables. A test that changes any of these should undo it.
+
+Workers leave with ``os._exit`` after ``destroy_process_group`` (interpreter teardown with torch
+loaded costs seconds), so ``atexit`` handlers registered by job code do not run.
 
 Worker output goes to the inherited stdout/stderr (pytest shows it under the test that was running
 when the pool started, if at all); return what you want to check instead of printing it.
@@ -83,6 +96,18 @@ DEFAULT_TIMEOUT = 120.0  # seconds for one job on all ranks
 DEFAULT_START_TIMEOUT = 120.0  # seconds for all workers to import torch and join the group
 DEFAULT_PG_TIMEOUT = 300.0  # gloo's own collective timeout (a backstop; the job timeout is shorter)
 DEFAULT_ERROR_GRACE = 3.0  # seconds to wait for the other ranks once one rank has failed
+# Imported once by the fork server, so that neither pool starts nor restarts pay for them. Only
+# modules that exist and import cleanly: an exception other than ImportError would stop the fork
+# server (so never the project's own modules, which may be mid-edit).
+_FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",  # ~2 s on its own on a loaded machine
+    "torch.distributed.fsdp",
+    "torch.fx.experimental.proxy_tensor",
+    "pytest",  # imported by every test module that holds job functions
+    "tests.multirank",
+)
 
 __all__ = [
     "WorkerPool",
@@ -159,12 +184,18 @@ def _resolve(module: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the test process is gone, so killed test runs leave no workers behind."""
+def _watch_test_process(test_pid: int) -> None:
+    """Exit when the test process is gone, so killed test runs leave no workers behind. (With
+    the forkserver start method the worker's parent is the fork server, so check the test
+    process itself.)"""
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(test_pid, 0)
+        except ProcessLookupError:
             os._exit(70)
+        except PermissionError:
+            pass
 
 
 def _send(conn: Any, obj: Any) -> None:
@@ -184,7 +215,7 @@ def _worker_main(
     conn: Any,
     stack_dump_path: str,
     pg_timeout: float,
-    parent_pid: int,
+    test_pid: int,
 ) -> None:
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
@@ -197,7 +228,7 @@ def _worker_main(
 
     dump_file = open(stack_dump_path, "w")  # kept open for the life of the worker
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_test_process, args=(test_pid,), daemon=True).start()
 
     try:
         store = dist.TCPStore(
@@ -213,9 +244,10 @@ def _worker_main(
     except BaseException:
         _send(conn, ("init_error", traceback.format_exc()))
         return
-    _send(conn, ("ready", os.getpid(), t_import, time.monotonic() - t0))
+    _send(conn, ("ready", os.getpid(), time.time(), t_import))
 
     default_dtype = torch.get_default_dtype()
+    exit_code = 1
     try:
         while True:
             try:
@@ -250,9 +282,17 @@ def _worker_main(
                     )
                 )
             conn.send_bytes(payload)
+        exit_code = 0
+    except BaseException:  # noqa: BLE001 - e.g. the pipe broke; os._exit below would hide it
+        traceback.print_exc()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Skip the interpreter's teardown of torch (1-3 s per process on a loaded machine): the
+        # worker owns nothing else that needs it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def _type_name(e: BaseException) -> str:
@@ -294,8 +334,10 @@ class WorkerPool:
     manager or call :meth:`close`.
 
     Attributes for reporting: ``starts`` (how many times processes were started), ``start_times``
-    (wall seconds of each start, spawn to all ranks in the group), ``jobs`` (jobs run), and
-    ``restart_reasons`` (one line per failure that forced a restart).
+    (wall seconds of each start, spawn to the last rank in the group), ``start_waits`` (how long
+    the test process actually waited for each start; less after a failure, since the replacement
+    workers are launched at once), ``jobs`` (jobs run), and ``restart_reasons`` (one line per
+    failure that forced a restart).
     """
 
     def __init__(
@@ -305,15 +347,21 @@ class WorkerPool:
         start_timeout: float = DEFAULT_START_TIMEOUT,
         pg_timeout: float = DEFAULT_PG_TIMEOUT,
         error_grace: float = DEFAULT_ERROR_GRACE,
+        start_method: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        start_method = start_method or os.environ.get("MULTIRANK_START_METHOD", "forkserver")
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
         self.world_size = world_size
+        self.start_method = start_method
         self.start_timeout = start_timeout
         self.pg_timeout = pg_timeout
         self.error_grace = error_grace
         self.starts = 0
         self.start_times: list[float] = []
+        self.start_waits: list[float] = []
         self.jobs = 0
         self.restart_reasons: list[str] = []
         self._procs: list[Any] = []
@@ -322,6 +370,8 @@ class WorkerPool:
         self._dump_dir: str | None = None
         self._dump_paths: list[str] = []
         self._healthy = False
+        self._starting = False  # processes spawned, not yet all in the process group
+        self._spawned_at = 0.0
         self._job_id = 0
         _LIVE_POOLS.add(self)
 
@@ -333,14 +383,25 @@ class WorkerPool:
         return self._healthy and all(p.is_alive() for p in self._procs)
 
     def start(self) -> None:
-        """Start the worker processes if they are not running (no-op on a healthy pool)."""
+        """Start the worker processes if they are not running (no-op on a healthy pool) and wait
+        until every rank has joined the process group."""
         if self.healthy:
             return
-        self._kill()
+        t0 = time.monotonic()
+        if not self._starting:
+            self._kill()
+            self._spawn()
+        self._await_ready(t0)
+
+    def _spawn(self) -> None:
+        """Launch the worker processes without waiting for them."""
         import torch.distributed as dist
 
-        t0 = time.monotonic()
-        ctx = multiprocessing.get_context("spawn")
+        self._spawned_at = time.time()
+        ctx = multiprocessing.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            # Imported once in the fork server; every worker (and every restart) forks from it.
+            ctx.set_forkserver_preload(list(_FORKSERVER_PRELOAD))
         self._store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -353,6 +414,7 @@ class WorkerPool:
         self._dump_paths = [
             os.path.join(self._dump_dir, f"rank{r}.stacks") for r in range(self.world_size)
         ]
+        self._starting = True
         for r in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
@@ -374,7 +436,9 @@ class WorkerPool:
             self._procs.append(proc)
             self._conns.append(parent_conn)
 
-        replies, dead, pending = self._gather(time.monotonic() + self.start_timeout, grace=1.0)
+    def _await_ready(self, t0: float) -> None:
+        deadline = time.monotonic() + max(0.0, self._spawned_at + self.start_timeout - time.time())
+        replies, dead, pending = self._gather(deadline, grace=1.0)
         problems = []
         for r, msg in sorted(replies.items()):
             if msg[0] == "init_error":
@@ -393,9 +457,12 @@ class WorkerPool:
                 f"could not start a gloo worker pool of world size {self.world_size}:\n"
                 + "\n".join(problems)
             )
+        self._starting = False
         self._healthy = True
         self.starts += 1
-        self.start_times.append(time.monotonic() - t0)
+        # spawn -> last rank in the group, as measured by the workers' wall clocks
+        self.start_times.append(max(m[2] for m in replies.values()) - self._spawned_at)
+        self.start_waits.append(time.monotonic() - t0)
 
     def close(self) -> None:
         """Stop the workers: each destroys its process group and exits; stragglers are killed."""
@@ -433,10 +500,19 @@ class WorkerPool:
             shutil.rmtree(self._dump_dir, ignore_errors=True)
             self._dump_dir = None
         self._healthy = False
+        self._starting = False
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, respawn: bool = True) -> None:
+        """Kill the workers after a failure. With ``respawn``, launch fresh ones right away: they
+        import torch while the test process reports the failure, and the next job only waits for
+        the rest of their start-up."""
         self.restart_reasons.append(reason)
         self._kill()
+        if respawn:
+            try:
+                self._spawn()
+            except Exception:  # noqa: BLE001 - the next start() retries and reports
+                self._kill()
 
     # -- jobs ----------------------------------------------------------------------------------
 
@@ -462,7 +538,7 @@ class WorkerPool:
             return self._run(name, job, timeout)
         except BaseException:
             if self._healthy:  # interrupted (e.g. KeyboardInterrupt): ranks are in unknown state
-                self._fail(f"{name}: interrupted")
+                self._fail(f"{name}: interrupted", respawn=False)
             raise
 
     @staticmethod
