@@ -1,0 +1,134 @@
+"""Small models and training steps shared by the tests.
+
+Every model takes a ``(batch, 50)`` input and returns ``(batch, 8)``, so any of them fits
+:func:`train_step` with a ``(x, y)`` batch of shapes ``(b, 50)`` and ``(b, 8)``.
+
+- :class:`SimpleMLP`: the seed's two-layer MLP.
+- :class:`BatchDimModel`: the seed's ``WrapperModule`` of ``test_data_parallel_batch_dim_analysis``
+  (view(-1), squeeze/unsqueeze, ``arange``/``ones``/``zeros(...).repeat(b, 1)`` in the forward).
+- :class:`BatchNormMLP`: an MLP with a ``BatchNorm1d`` (running-stat buffers updated every step).
+- :class:`TiedMLP`: an MLP in which two layers share one weight ``nn.Parameter``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+IN_FEATURES = 50
+OUT_FEATURES = 8
+
+
+class SimpleMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(IN_FEATURES, 32)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(32, OUT_FEATURES)
+
+    def forward(self, x):
+        return torch.sigmoid(self.net2(self.relu(self.net1(x))))
+
+    def reset_parameters(self, *args, **kwargs):
+        self.net1.reset_parameters()
+        self.net2.reset_parameters()
+
+
+class BatchDimModel(nn.Module):
+    """The seed's WrapperModule: ops that move the batch dim around in non-trivial ways."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = SimpleMLP()
+
+    def forward(self, x):
+        output = self.mlp(x)
+        new_output = output.clone().view(-1)
+        squeezed_out = new_output.squeeze()
+        unsqueezed_out = squeezed_out.unsqueeze(0)
+        output = output + 0.1 * unsqueezed_out.view(output.shape[0], -1)
+
+        arange = torch.arange(output.shape[1], device=output.device)
+        ones = torch.ones(output.shape, device=output.device)
+        added_arange = arange.unsqueeze(0) + ones
+
+        zeros = torch.zeros(output.shape[1], device=output.device)
+        repeated_zeros = zeros.unsqueeze(0).repeat(output.shape[0], 1)
+        return output + added_arange + repeated_zeros
+
+
+class BatchNormMLP(nn.Module):
+    """Linear -> BatchNorm1d -> ReLU -> Linear: buffers (running_mean/var, num_batches_tracked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(IN_FEATURES, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(32, OUT_FEATURES)
+
+    def forward(self, x):
+        return torch.sigmoid(self.net2(self.relu(self.bn(self.net1(x)))))
+
+
+class TiedMLP(nn.Module):
+    """Two hidden layers share one weight Parameter (``hidden_b.weight is hidden_a.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(IN_FEATURES, 16)
+        self.hidden_a = nn.Linear(16, 16)
+        self.hidden_b = nn.Linear(16, 16)
+        self.hidden_b.weight = self.hidden_a.weight
+        self.out = nn.Linear(16, OUT_FEATURES)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.hidden_a(h))
+        h = torch.tanh(self.hidden_b(h))
+        return self.out(h)
+
+
+MODELS = {
+    "SimpleMLP": SimpleMLP,
+    "BatchDimModel": BatchDimModel,
+    "BatchNormMLP": BatchNormMLP,
+    "TiedMLP": TiedMLP,
+}
+
+
+def train_step(model, optim, train_batch):
+    """The seed's training step: sum of (output - labels)."""
+
+    def loss_fn(out, labels):
+        return (out - labels).sum()
+
+    optim.zero_grad()
+    inputs, labels = train_batch
+    out = model(inputs)
+    loss = loss_fn(out, labels)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def mse_step(model, optim, train_batch):
+    """A mean-squared-error step (a loss that averages over the local batch, as DDP users do)."""
+    optim.zero_grad()
+    inputs, labels = train_batch
+    loss = torch.nn.functional.mse_loss(model(inputs), labels)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def flexible_step(model, optim, batch):
+    """Accepts a ``(x, y)`` tuple or a ``{"x": ..., "y": ...}`` dict; computes in float32 whatever
+    the batch's dtype (so a float64 batch is a new input signature for an unchanged model)."""
+    optim.zero_grad()
+    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+    out = model(x.to(torch.float32))
+    loss = ((out - y.to(torch.float32)) ** 2).sum()
+    loss.backward()
+    optim.step()
+    return loss

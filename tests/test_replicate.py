@@ -1,0 +1,429 @@
+"""Replicate data parallelism checked against DDP on real gloo groups (world sizes 2 and 3).
+
+Every case builds the same initial model on every rank (``torch.manual_seed(0)``), a DDP reference
+from a deepcopy of it with the same optimizer configuration, and runs several compiled steps with
+different data on every rank (:func:`tests.multirank.rank_data`), the last one a short batch. After
+every step it compares, on every rank, each parameter (``p.to_local()`` vs DDP's), each optimizer
+state tensor, each buffer, the learning rates and the returned loss (the local loss, as DDP's).
+
+All cases of one world size run in one worker job (each compile costs about a second); the job
+returns a report per case and each case is asserted in its own test.
+
+Tolerances (float32 round-off; DDP averages gradients the same way, so most results are exact):
+``|actual - expected| <= ATOL + RTOL * |expected|`` with RTOL and ATOL below.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from copy import deepcopy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.models import MODELS, flexible_step, mse_step, train_step
+from tests.multirank import rank_data
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+BATCH = 16  # local batch size of the full steps
+SHORT_BATCH = 11  # the last, short batch
+FULL_STEPS = 5  # full steps, then one short step
+
+STEP_FNS = {"train_step": train_step, "mse_step": mse_step, "flexible_step": flexible_step}
+
+# name -> case. "optim": (class name, kwargs); "groups": param groups as (fqn prefix, options);
+# "scheduler": (class name, kwargs); "compiles": expected compile_count after all steps (a fresh
+# optimizer that keeps state compiles twice: once creating the state, once for the steady state).
+CASES: dict[str, dict] = {
+    # The seed's replicate cases.
+    "sgd_lr": dict(model="SimpleMLP", optim=("SGD", {"lr": 0.1}), compiles=1),
+    "sgd_momentum": dict(model="SimpleMLP", optim=("SGD", {"lr": 0.1, "momentum": 0.9}), compiles=2),
+    "sgd_momentum_foreach": dict(
+        model="SimpleMLP", optim=("SGD", {"lr": 0.1, "momentum": 0.9, "foreach": True}), compiles=2
+    ),
+    "adam_fused": dict(model="SimpleMLP", optim=("Adam", {"lr": 0.1, "fused": True}), compiles=2),
+    "batch_dim_model_sgd": dict(model="BatchDimModel", optim=("SGD", {"lr": 0.1}), compiles=1),
+    # More optimizers.
+    "adam_default": dict(model="SimpleMLP", optim=("Adam", {"lr": 0.01}), compiles=2),
+    "adam_foreach": dict(model="SimpleMLP", optim=("Adam", {"lr": 0.01, "foreach": True}), compiles=2),
+    "adamw_weight_decay": dict(
+        model="SimpleMLP", optim=("AdamW", {"lr": 0.01, "weight_decay": 0.1}), compiles=2
+    ),
+    "sgd_nesterov_wd": dict(
+        model="SimpleMLP",
+        optim=("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+        compiles=2,
+    ),
+    "sgd_nesterov_wd_fused": dict(
+        model="SimpleMLP",
+        optim=("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01,
+                       "fused": True}),
+        compiles=2,
+    ),
+    "two_param_groups": dict(
+        model="SimpleMLP",
+        optim=("SGD", {"lr": 0.1, "momentum": 0.9}),
+        groups=[("net1.", {"lr": 0.1}), ("net2.", {"lr": 0.01, "momentum": 0.5})],
+        compiles=2,
+    ),
+    "lambda_lr_scheduler": dict(
+        model="SimpleMLP",
+        optim=("SGD", {"lr": 0.1, "momentum": 0.9}),
+        scheduler=("LambdaLR", {}),
+        compiles=2,
+    ),
+    "step_lr_scheduler_adam": dict(
+        model="SimpleMLP",
+        optim=("Adam", {"lr": 0.02}),
+        scheduler=("StepLR", {"step_size": 1, "gamma": 0.5}),
+        compiles=2,
+    ),
+    # Models with buffers / tied weights, and a loss that averages over the batch.
+    "batchnorm_buffers": dict(
+        model="BatchNormMLP", optim=("SGD", {"lr": 0.1, "momentum": 0.9}), step="mse_step",
+        compiles=2,
+    ),
+    "tied_weights": dict(model="TiedMLP", optim=("Adam", {"lr": 0.01}), compiles=2),
+}
+
+
+def _lambda_schedule(i: int) -> float:
+    return 0.7 ** i
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------------
+
+
+def _make_optimizer(model: torch.nn.Module, case: dict) -> torch.optim.Optimizer:
+    cls_name, kwargs = case["optim"]
+    cls = getattr(torch.optim, cls_name)
+    if "groups" not in case:
+        return cls(model.parameters(), **kwargs)
+    groups = []
+    for prefix, options in case["groups"]:
+        params = [p for n, p in model.named_parameters() if n.startswith(prefix)]
+        groups.append({"params": params, **options})
+    return cls(groups, **kwargs)
+
+
+def _make_scheduler(opt: torch.optim.Optimizer, case: dict):
+    if "scheduler" not in case:
+        return None
+    name, kwargs = case["scheduler"]
+    if name == "LambdaLR":
+        return torch.optim.lr_scheduler.LambdaLR(opt, _lambda_schedule)
+    return getattr(torch.optim.lr_scheduler, name)(opt, **kwargs)
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Checker:
+    """Accumulates max errors per kind and every tolerance violation (as text)."""
+
+    def __init__(self):
+        self.max_err = {"param": 0.0, "state": 0.0, "buffer": 0.0, "loss": 0.0}
+        self.problems: list[str] = []
+
+    def close(self, kind: str, where: str, actual, expected) -> None:
+        if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+            if actual != expected:
+                self.problems.append(f"{where}: {actual!r} != {expected!r}")
+            return
+        actual = _local(actual)
+        if actual.shape != expected.shape or actual.dtype != expected.dtype:
+            self.problems.append(
+                f"{where}: shape/dtype {tuple(actual.shape)} {actual.dtype} vs expected "
+                f"{tuple(expected.shape)} {expected.dtype}"
+            )
+            return
+        a = actual.detach().to(torch.float64)
+        e = expected.detach().to(torch.float64)
+        err = (a - e).abs()
+        max_err = float(err.max()) if err.numel() else 0.0
+        if math.isnan(max_err):
+            max_err = math.inf
+        self.max_err[kind] = max(self.max_err[kind], max_err)
+        if not bool(torch.isclose(a, e, rtol=RTOL, atol=ATOL).all()):
+            self.problems.append(f"{where}: max abs err {max_err:.3g} (rtol={RTOL}, atol={ATOL})")
+
+    def check(self, cond: bool, msg: str) -> None:
+        if not cond:
+            self.problems.append(msg)
+
+
+def compare_with_ddp(chk: _Checker, step: int, model, opt, ddp_model, ddp_opt) -> None:
+    """Parameters (Replicate DTensors on a 1-D mesh), optimizer states, lrs and buffers."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    ws = dist.get_world_size()
+    ours = list(model.named_parameters())
+    ref = list(ddp_model.named_parameters())
+    chk.check([n for n, _ in ours] == [n for n, _ in ref],
+              f"step {step}: parameter names {[n for n, _ in ours]} vs DDP {[n for n, _ in ref]}")
+    for (name, p), (_, q) in zip(ours, ref):
+        chk.check(isinstance(p, DTensor), f"step {step}: parameter {name} is not a DTensor")
+        if isinstance(p, DTensor):
+            chk.check(tuple(p.placements) == (Replicate(),),
+                      f"step {step}: parameter {name} placements {p.placements}")
+            chk.check(p.device_mesh.ndim == 1 and p.device_mesh.size() == ws,
+                      f"step {step}: parameter {name} mesh {p.device_mesh}")
+        chk.close("param", f"step {step}: parameter {name}", p, q)
+        st, ref_st = opt.state.get(p, {}), ddp_opt.state.get(q, {})
+        chk.check(sorted(st) == sorted(ref_st),
+                  f"step {step}: optimizer state keys of {name}: {sorted(st)} vs DDP {sorted(ref_st)}")
+        for k in ref_st:
+            if k in st:
+                chk.close("state", f"step {step}: optimizer state {name}.{k}", st[k], ref_st[k])
+    chk.check(len(opt.param_groups) == len(ddp_opt.param_groups), f"step {step}: param group count")
+    for gi, (g, rg) in enumerate(zip(opt.param_groups, ddp_opt.param_groups)):
+        chk.check(g["lr"] == rg["lr"], f"step {step}: group {gi} lr {g['lr']} vs DDP {rg['lr']}")
+    ref_buffers = dict(ddp_model.named_buffers())
+    for name, b in model.named_buffers():
+        chk.close("buffer", f"step {step}: buffer {name}", b, ref_buffers[name])
+
+
+def _run_case(case: dict) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler.api import compile as spmd_api_compile
+    from spmd_compiler.parallel_mode import DataParallel
+
+    torch.manual_seed(0)  # the same initial model on every rank
+    model = MODELS[case["model"]]()
+    ddp = DDP(deepcopy(model))
+    opt, ddp_opt = _make_optimizer(model, case), _make_optimizer(ddp.module, case)
+    sched, ddp_sched = _make_scheduler(opt, case), _make_scheduler(ddp_opt, case)
+    step_fn = STEP_FNS[case.get("step", "train_step")]
+    # The seed's spelling.
+    compiled = spmd_api_compile(parallel_mode=DataParallel("replicate"))(step_fn)
+
+    chk = _Checker()
+    counts = []
+    lrs = []
+    for i in range(FULL_STEPS + 1):
+        b = BATCH if i < FULL_STEPS else SHORT_BATCH
+        x, y = rank_data(100 + i, (b, 50), (b, 8))  # different on every rank
+        loss = compiled(model, opt, (x.clone(), y.clone()))
+        ddp_loss = step_fn(ddp, ddp_opt, (x, y))
+        counts.append(compiled.compile_count)
+        lrs.append([g["lr"] for g in opt.param_groups])
+        chk.check(not isinstance(loss, torch.distributed.tensor.DTensor) and loss.dim() == 0,
+                  f"step {i}: loss is {type(loss).__name__} of shape {tuple(loss.shape)}")
+        chk.close("loss", f"step {i}: loss", loss, ddp_loss.detach())
+        if sched is not None:
+            sched.step()
+            ddp_sched.step()
+        compare_with_ddp(chk, i, model, opt, ddp.module, ddp_opt)
+    return dict(max_err=chk.max_err, problems=chk.problems, counts=counts, lrs=lrs)
+
+
+def parity_job(names: list[str]) -> dict[str, dict]:
+    """Run the named cases one after the other; a case that raises is reported, not fatal."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = _run_case(CASES[name])
+        except Exception as e:  # noqa: BLE001 - reported per case
+            out[name] = dict(exception=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            dist.barrier()  # keep the ranks together for the next case
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------------
+
+_REPORTS: dict[int, list[dict]] = {}  # world size -> per-rank reports of every case
+
+
+def _reports(pool) -> list[dict]:
+    if pool.world_size not in _REPORTS:
+        _REPORTS[pool.world_size] = pool.run(parity_job, list(CASES), timeout=600)
+    return _REPORTS[pool.world_size]
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_replicate_matches_ddp(pool, case, record_property):
+    expected_compiles = CASES[case]["compiles"]
+    for rank, reports in enumerate(_reports(pool)):
+        rep = reports[case]
+        assert "exception" not in rep, f"{case} raised on rank {rank}: {rep.get('exception')}"
+        record_property(f"rank{rank}_max_err", rep["max_err"])
+        problems = rep["problems"]
+        assert not problems, (
+            f"{case} (world size {pool.world_size}) differs from DDP on rank {rank}: "
+            f"{len(problems)} problem(s):\n  " + "\n  ".join(problems[:20])
+        )
+        counts = rep["counts"]
+        # The short last batch runs on the graph compiled for the full batches.
+        assert counts[-1] == counts[-2], f"{case}: the short batch recompiled: counts {counts}"
+        assert counts[-1] == expected_compiles, (
+            f"{case}: compile_count after each step {counts}, expected {expected_compiles} in all"
+        )
+        assert counts[1:] == [expected_compiles] * (len(counts) - 1), (
+            f"{case}: steady-state steps recompiled: compile_count after each step {counts}"
+        )
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
+def test_scheduler_lr_takes_effect_without_recompiling(pool):
+    """LambdaLR changes lr every call: the compiled step must use the new lr (parity above checks
+    the values) and keep running the same graph."""
+    for rank, reports in enumerate(_reports(pool)):
+        rep = reports["lambda_lr_scheduler"]
+        assert "exception" not in rep, rep.get("exception")
+        assert rep["counts"][-1] == 2, rep["counts"]
+        lrs = [lr[0] for lr in rep["lrs"]]
+        assert lrs == pytest.approx([0.1 * 0.7 ** i for i in range(len(lrs))]), lrs
+        assert len(set(lrs)) == len(lrs)
+        assert not rep["problems"], rep["problems"][:5]
+
+
+# --------------------------------------------------------------------------------------------------
+# Caching: what recompiles and what does not
+# --------------------------------------------------------------------------------------------------
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def caching_job() -> dict:
+    """One compiled step called with changing models, optimizers, batch structures and dtypes.
+
+    Returns the sequence of (event, compile_count, recompile log messages) and every parity
+    problem against DDP references that saw the same calls.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    logger = logging.getLogger("spmd_compiler")
+    handler = _ListHandler()
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        compiled = spmd_compile(DataParallel("replicate"))(flexible_step)
+        chk = _Checker()
+        events = []
+        step_no = [0]
+
+        torch.manual_seed(0)
+        model_a = MODELS["SimpleMLP"]()
+        ddp_a = DDP(deepcopy(model_a))
+        sgd_a = torch.optim.SGD(model_a.parameters(), lr=0.05, momentum=0.9)
+        ddp_sgd_a = torch.optim.SGD(ddp_a.parameters(), lr=0.05, momentum=0.9)
+
+        def call(event, model, opt, ddp, ddp_opt, kind="tuple", dtype=torch.float32, b=BATCH):
+            i = step_no[0]
+            step_no[0] += 1
+            x, y = rank_data(500 + i, (b, 50), (b, 8), dtype=dtype)
+            batch = {"x": x, "y": y} if kind == "dict" else (x, y)
+            before = len(handler.messages)
+            loss = compiled(model, opt, deepcopy(batch))
+            ddp_loss = flexible_step(ddp, ddp_opt, batch)
+            chk.close("loss", f"{event} (call {i}): loss", loss, ddp_loss.detach())
+            compare_with_ddp(chk, i, model, opt, ddp.module, ddp_opt)
+            events.append((event, compiled.compile_count, handler.messages[before:]))
+
+        call("first call", model_a, sgd_a, ddp_a, ddp_sgd_a)
+        call("same again", model_a, sgd_a, ddp_a, ddp_sgd_a)
+        call("same again, smaller batch", model_a, sgd_a, ddp_a, ddp_sgd_a, b=7)
+        call("dict batch", model_a, sgd_a, ddp_a, ddp_sgd_a, kind="dict")
+        call("dict batch again", model_a, sgd_a, ddp_a, ddp_sgd_a, kind="dict")
+        call("tuple batch again", model_a, sgd_a, ddp_a, ddp_sgd_a)
+        call("float64 batch", model_a, sgd_a, ddp_a, ddp_sgd_a, dtype=torch.float64)
+        call("float64 batch again", model_a, sgd_a, ddp_a, ddp_sgd_a, dtype=torch.float64)
+        for g, dg in zip(sgd_a.param_groups, ddp_sgd_a.param_groups):
+            g["momentum"] = dg["momentum"] = 0.5
+        call("momentum changed", model_a, sgd_a, ddp_a, ddp_sgd_a)
+        call("momentum changed, again", model_a, sgd_a, ddp_a, ddp_sgd_a)
+
+        adam_a = torch.optim.Adam(model_a.parameters(), lr=0.01)
+        ddp_adam_a = torch.optim.Adam(ddp_a.parameters(), lr=0.01)
+        call("new optimizer (Adam), first call", model_a, adam_a, ddp_a, ddp_adam_a)
+        call("new optimizer (Adam), second call", model_a, adam_a, ddp_a, ddp_adam_a)
+        call("new optimizer (Adam), again", model_a, adam_a, ddp_a, ddp_adam_a)
+
+        torch.manual_seed(1)
+        model_b = MODELS["TiedMLP"]()
+        ddp_b = DDP(deepcopy(model_b))
+        sgd_b = torch.optim.SGD(model_b.parameters(), lr=0.05)
+        ddp_sgd_b = torch.optim.SGD(ddp_b.parameters(), lr=0.05)
+        call("new model", model_b, sgd_b, ddp_b, ddp_sgd_b)
+        call("new model again", model_b, sgd_b, ddp_b, ddp_sgd_b)
+        call("back to the first model and Adam", model_a, adam_a, ddp_a, ddp_adam_a)
+        call("back to the second model", model_b, sgd_b, ddp_b, ddp_sgd_b)
+        return dict(events=events, problems=chk.problems, max_err=chk.max_err)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+# event -> (compiles added by that call, what the recompile log on rank 0 must name as changed,
+# relative to the previous compile)
+EXPECTED_CACHING = [
+    ("first call", 1, None),  # creates the momentum buffers in-graph ...
+    ("same again", 1, "optimizer"),  # ... then compiles the steady state once
+    ("same again, smaller batch", 0, None),
+    ("dict batch", 1, "input structure"),
+    ("dict batch again", 0, None),
+    ("tuple batch again", 0, None),
+    ("float64 batch", 1, "inputs"),
+    ("float64 batch again", 0, None),
+    ("momentum changed", 1, "optimizer"),
+    ("momentum changed, again", 0, None),
+    ("new optimizer (Adam), first call", 1, "optimizer"),
+    ("new optimizer (Adam), second call", 1, "optimizer"),
+    ("new optimizer (Adam), again", 0, None),
+    ("new model", 1, "module"),
+    ("new model again", 0, None),
+    ("back to the first model and Adam", 0, None),
+    ("back to the second model", 0, None),
+]
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
+def test_caching_recompiles_exactly_when_needed(pool):
+    results = pool.run(caching_job, timeout=600)
+    for rank, res in enumerate(results):
+        assert not res["problems"], (
+            f"rank {rank}: results differ from DDP:\n  " + "\n  ".join(res["problems"][:20])
+        )
+        events = res["events"]
+        assert [e for e, _, _ in events] == [e for e, _, _ in EXPECTED_CACHING]
+        prev = 0
+        for (event, count, messages), (_, added, words) in zip(events, EXPECTED_CACHING):
+            assert count - prev == added, (
+                f"rank {rank}: '{event}' added {count - prev} compile(s), expected {added}; "
+                f"compile_count sequence {[c for _, c, _ in events]}"
+            )
+            prev = count
+            recompiles = [m for m in messages if "recompiling" in m]
+            if rank == 0 and words is not None:
+                changed = [
+                    what.strip() for m in recompiles for what in m.split("changed ", 1)[-1].split(",")
+                ]
+                assert words in changed, (
+                    f"'{event}': expected a recompile log saying '{words}', got {recompiles}"
+                )
+            if added == 0:
+                assert not recompiles, f"'{event}' logged a recompile: {recompiles}"
