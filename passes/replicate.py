@@ -20,20 +20,8 @@ def expand_replicate(
     of the step (DDP's default). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
     """
     graph = gm.graph
-    if broadcast_buffers and world_size > 1:
-        buffers = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.BUFFER]
-        if buffers:
-            first_op = next(n for n in graph.nodes if n.op != "placeholder")
-            with graph.inserting_before(first_op):
-                for buf in buffers:
-                    synced = insert_collective(
-                        graph, c10d.broadcast.default, (buf, 0, group_name),
-                        val=buf.meta["val"], region=meta.Region.FORWARD, kind="broadcast",
-                        params=[buf.meta[meta.PARAM_FQN]],
-                    )
-                    insert_call(graph, aten.copy_.default, (buf, synced), like=buf,
-                                region=meta.Region.FORWARD)
-
+    if broadcast_buffers:
+        broadcast_buffers_from_rank0(graph, group_name, world_size)
     for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
         users = list(grad.users)
         val = grad.meta["val"]
@@ -48,3 +36,21 @@ def expand_replicate(
             user.replace_input_with(grad, averaged)
     gm.recompile()
     return gm
+
+
+def broadcast_buffers_from_rank0(graph: fx.Graph, group_name: str, world_size: int) -> None:
+    """At the start of the step, copy rank 0's value into every BUFFER placeholder (DDP's
+    ``broadcast_buffers``): ``broadcast`` + ``wait_tensor`` + ``copy_`` per buffer."""
+    buffers = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.BUFFER]
+    if not buffers or world_size == 1:
+        return
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first_op):
+        for buf in buffers:
+            synced = insert_collective(
+                graph, c10d.broadcast.default, (buf, 0, group_name),
+                val=buf.meta["val"], region=meta.Region.FORWARD, kind="broadcast",
+                params=[buf.meta[meta.PARAM_FQN]],
+            )
+            insert_call(graph, aten.copy_.default, (buf, synced), like=buf,
+                        region=meta.Region.FORWARD)

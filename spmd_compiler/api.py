@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from passes import batch_dim
 from passes.cleanup import eliminate_dead_code
+from passes.fully_shard import expand_fully_shard
 from passes.replicate import expand_replicate
 
 from .errors import BatchDimError, NoProcessGroupError, SPMDError
@@ -93,8 +94,6 @@ class CompiledStep:
         if self._last_key is not None:
             _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
         fully_shard = self.parallel_mode.parallel_style == "fully_shard"
-        if fully_shard:
-            raise SPMDError("DataParallel('fully_shard') is not supported yet")
         seconds: dict[str, float] = {}
         dump_index = [0]
 
@@ -116,11 +115,20 @@ class CompiledStep:
 
         t = time.perf_counter()
         group = mesh.get_group()
-        gm = expand_replicate(
-            traced.gm, group_name=group.group_name, world_size=mesh.size(),
-            broadcast_buffers=self.parallel_mode.broadcast_buffers,
-        )
-        analyze(gm)
+        mode = self.parallel_mode
+        if fully_shard:
+            gm = expand_fully_shard(
+                traced.gm, group_name=group.group_name, world_size=mesh.size(),
+                reshard_after_forward=mode.reshard_after_forward,
+                broadcast_buffers=mode.broadcast_buffers,
+            )
+        else:
+            gm = expand_replicate(
+                traced.gm, group_name=group.group_name, world_size=mesh.size(),
+                broadcast_buffers=mode.broadcast_buffers,
+            )
+        if not fully_shard:
+            analyze(gm)
         stage("expanded", gm, t)
 
         t = time.perf_counter()

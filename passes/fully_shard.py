@@ -1,0 +1,293 @@
+"""fully_shard (ZeRO-3 / FSDP-like) expansion: parameters, gradients and optimizer state live as
+dim-0 shards; parameters are all-gathered just in time, gradients reduce-scattered.
+
+Layout: a parameter with ``n`` rows is padded to ``rows * world`` rows, ``rows = ceil(n / world)``;
+rank r holds rows ``[r * rows, (r + 1) * rows)``, so every collective is even. Padding rows are
+zero in parameters, gradients and optimizer state, so they never reach a result. 0-d parameters are
+not sharded (their gradients are all-reduced as in replicate).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from . import meta
+from .collectives import aten, c10d, insert_call, insert_collective
+from .replicate import broadcast_buffers_from_rank0
+
+_VIEW_OR_CAST = {
+    aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+    aten.permute.default, aten.transpose.int, aten.expand.default, aten.detach.default,
+    aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.slice.Tensor, aten.select.int, aten._to_copy.default, aten.clone.default,
+    aten.contiguous.default, aten.split.Tensor, aten.chunk.default, aten.unbind.int,
+}
+
+
+LOGICAL_SHAPE = "spmd_fully_shard_logical_shape"  # private to this pass: a shard's unsharded shape
+
+
+def shard_rows(n: int, world: int) -> int:
+    return -(-n // world)
+
+
+def _shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
+    """A fake tensor of the padded local shard's shape."""
+    shape = (shard_rows(val.shape[0], world),) + tuple(val.shape[1:])
+    return val.new_empty(shape)
+
+
+def _first(nodes, order):
+    return min(nodes, key=order.__getitem__)
+
+
+def _gather(graph, shard, full_val, world, group_name, before, region, fqn):
+    """all_gather + wait (+ narrow away the padding) before ``before``; return the full param."""
+    n = full_val.shape[0]
+    rows = shard_rows(n, world)
+    padded_val = full_val.new_empty((rows * world,) + tuple(full_val.shape[1:]))
+    with graph.inserting_before(before):
+        gathered = insert_collective(
+            graph, c10d.all_gather_into_tensor.default, (shard, world, group_name),
+            val=padded_val, region=region, kind="all_gather", params=[fqn],
+        )
+        if rows * world != n:
+            gathered = insert_call(graph, aten.slice.Tensor, (gathered, 0, 0, n), val=full_val,
+                                   region=region)
+    gathered.meta[meta.PARAM_FQN] = fqn
+    return gathered
+
+
+def _forward_chain(full: fx.Node) -> list[fx.Node]:
+    """Forward nodes computed from the gathered parameter alone by views and casts."""
+    chain, seen, todo = [], {full}, deque([full])
+    while todo:
+        node = todo.popleft()
+        for user in node.users:
+            if (user not in seen and user.op == "call_function" and user.target in _VIEW_OR_CAST
+                    and user.meta.get(meta.REGION) == meta.Region.FORWARD
+                    and all(a in seen for a in user.all_input_nodes)):
+                seen.add(user)
+                chain.append(user)
+                todo.append(user)
+    return chain
+
+
+def expand_fully_shard(
+    gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
+    broadcast_buffers: bool = True,
+) -> fx.GraphModule:
+    """Turn a traced (unsharded) step into the fully_shard step.
+
+    Reads: ROLE (PARAM / OPT_STATE / BUFFER placeholders, GRAD nodes), PARAM_FQN, REGION,
+    node.meta["val"]. Writes: PARAM and same-shaped OPT_STATE placeholders become padded dim-0
+    shards (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
+    forward use, and with ``reshard_after_forward`` a second gather (and re-derived views) before
+    its first backward use; each gradient padded, divided by the world size and
+    ``reduce_scatter``-ed, its optimizer uses reading the shard; reductions over shards inside the
+    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole. Buffers
+    are broadcast from rank 0 as in replicate.
+    """
+    graph = gm.graph
+    world = world_size
+    if broadcast_buffers:
+        broadcast_buffers_from_rank0(graph, group_name, world)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    params = {}
+    for node in list(graph.nodes):
+        role = node.meta.get(meta.ROLE)
+        val = node.meta.get("val")
+        if role == meta.Role.PARAM and val.dim() > 0:
+            params[node.meta[meta.PARAM_FQN]] = (node, val)
+    param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in params.items()}
+
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        role = node.meta.get(meta.ROLE)
+        fqn = node.meta.get(meta.PARAM_FQN)
+        val = node.meta.get("val")
+        if fqn in param_shapes and role in (meta.Role.PARAM, meta.Role.OPT_STATE) and (
+            tuple(val.shape) == param_shapes[fqn]
+        ):
+            node.meta[LOGICAL_SHAPE] = tuple(val.shape)
+            node.meta["val"] = _shard_val(val, world)
+            node.meta[meta.PLACEMENT] = Shard(0)
+
+    for fqn, (param, full_val) in params.items():
+        users = list(param.users)
+        compute = [u for u in users if u.meta.get(meta.REGION) != meta.Region.OPTIMIZER]
+        if not compute:
+            continue
+        forward = [u for u in compute if u.meta.get(meta.REGION) == meta.Region.FORWARD]
+        first = _first(forward or compute, order)
+        full = _gather(graph, param, full_val, world, group_name, first,
+                       first.meta.get(meta.REGION), fqn)
+        for u in compute:
+            u.replace_input_with(param, full)
+        if not reshard_after_forward or not forward:
+            continue
+        derived = [full] + _forward_chain(full)
+        backward_users = {
+            u for d in derived for u in d.users
+            if u.meta.get(meta.REGION) == meta.Region.BACKWARD
+        }
+        if not backward_users:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first_bwd = _first(backward_users, order)
+        again = {full: _gather(graph, param, full_val, world, group_name, first_bwd,
+                               meta.Region.BACKWARD, fqn)}
+        with graph.inserting_before(first_bwd):
+            for d in derived[1:]:
+                copy = graph.node_copy(d, lambda a: again.get(a, a))
+                copy.meta[meta.REGION] = meta.Region.BACKWARD
+                again[d] = copy
+        for u in backward_users:
+            for d in derived:
+                if d in u.all_input_nodes:
+                    u.replace_input_with(d, again[d])
+
+    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
+        fqn = grad.meta[meta.PARAM_FQN]
+        users = list(grad.users)
+        val = grad.meta["val"]
+        region = grad.meta.get(meta.REGION)
+        with graph.inserting_before(grad.next):
+            if fqn in params:
+                rows = shard_rows(val.shape[0], world)
+                pad = rows * world - val.shape[0]
+                x = grad
+                if pad:
+                    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
+                    x = insert_call(graph, aten.constant_pad_nd.default,
+                                    (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
+                                    val=padded_val, region=region)
+                x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
+                reduced = insert_collective(
+                    graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
+                    val=_shard_val(val, world), region=region, kind="reduce_scatter", params=[fqn],
+                )
+                reduced.meta[meta.PLACEMENT] = Shard(0)
+                reduced.meta[LOGICAL_SHAPE] = tuple(val.shape)
+            else:
+                x = insert_call(graph, aten.div.Tensor, (grad, world), like=grad)
+                reduced = insert_collective(
+                    graph, c10d.all_reduce.default, (x, "sum", group_name),
+                    val=val, region=region, kind="all_reduce", params=[fqn],
+                )
+        for u in users:
+            u.replace_input_with(grad, reduced)
+
+    gm.recompile()
+    _reduce_optimizer_partials(gm, group_name, world)
+    return gm
+
+
+_NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar, aten.norm.Scalar,
+          aten.norm.ScalarOpt_dim}
+_SUMS = {aten.sum.default, aten.sum.dim_IntList}
+_MAXES = {aten.amax.default, aten.max.default}
+
+
+def _values(val):
+    return list(val) if isinstance(val, (list, tuple)) else [val]
+
+
+def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
+    """All-reduce the optimizer region's reductions over shards (a gradient norm for clipping, a
+    sum) right where they are computed, so everything after them sees whole values.
+
+    A value is a shard when it comes from a sharded parameter / state / reduce-scattered gradient
+    through ops that keep the shard's shape. A sharded input turning into an output of another
+    shape is a reduction: norms, sums and maxima are completed with an all_reduce; anything else
+    raises, since its result on shards would differ from the unsharded step.
+    """
+    graph = gm.graph
+    # Shapes as the unsharded step sees them (node.meta["val"] of optimizer-region nodes still
+    # holds those): a shard-derived value keeps its parameter's logical shape.
+    sharded: dict[fx.Node, tuple] = {
+        n: n.meta[LOGICAL_SHAPE] for n in graph.nodes if LOGICAL_SHAPE in n.meta
+    }
+    for node in list(graph.nodes):
+        if node.meta.get(meta.REGION) != meta.Region.OPTIMIZER or node in sharded:
+            continue
+        if node.op != "call_function" or node.meta.get(meta.ROLE) == meta.Role.COLLECTIVE:
+            continue
+        shard_inputs = [a for a in _flat_inputs(node) if a in sharded]
+        if not shard_inputs:
+            continue
+        if node.target is operator.getitem:
+            source, index = node.args
+            if source in sharded:
+                sharded[node] = tuple(node.meta["val"].shape)
+            continue
+        logical = {sharded[a] for a in shard_inputs}
+        outs = _values(node.meta.get("val"))
+        if node.target in _NORMS or node.target in _SUMS or node.target in _MAXES:
+            _complete_reduction(graph, node, group_name)
+            continue
+        if _is_inplace_on(node, sharded) or all(
+            getattr(o, "shape", None) is None or tuple(o.shape) in logical for o in outs
+        ):
+            first = outs[0] if outs and getattr(outs[0], "shape", None) is not None else None
+            sharded[node] = tuple(first.shape) if first is not None else next(iter(logical))
+            continue
+        raise ValueError(
+            f"fully_shard: {node.target} in the optimizer region turns a parameter/optimizer-state "
+            f"shard into a value of another shape ({node.format_node()}); only elementwise "
+            f"updates and norm / sum / max reductions can run on shards. "
+            f"User code: {node.meta.get('stack_trace', '<unknown>')}"
+        )
+    gm.recompile()
+
+
+def _flat_inputs(node: fx.Node) -> list[fx.Node]:
+    return node.all_input_nodes
+
+
+def _is_inplace_on(node: fx.Node, sharded: set[fx.Node]) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.is_mutable and node.args and (
+        node.args[0] in sharded or (isinstance(node.args[0], (list, tuple))
+                                    and any(a in sharded for a in node.args[0]))))
+
+
+def _complete_reduction(graph: fx.Graph, node: fx.Node, group_name: str) -> None:
+    """Make a reduction over shards whole: norms via sum of p-th powers, sums via sum, maxima
+    via max. For list-valued reductions (``_foreach_norm``) each element is completed."""
+    if isinstance(node.meta.get("val"), (list, tuple)):
+        for item in [u for u in node.users if u.target is operator.getitem]:
+            _complete_value(graph, item, node, group_name)
+        return
+    _complete_value(graph, node, node, group_name)
+
+
+def _complete_value(graph: fx.Graph, value: fx.Node, reduction: fx.Node, group_name: str) -> None:
+    users = list(value.users)
+    region = value.meta.get(meta.REGION)
+    with graph.inserting_before(value.next):
+        if reduction.target in _NORMS:
+            p = reduction.args[1] if len(reduction.args) > 1 else reduction.kwargs.get("ord", 2)
+            p = 2.0 if p is None else float(p)
+            if p == float("inf"):
+                whole = insert_collective(graph, c10d.all_reduce.default, (value, "max", group_name),
+                                          val=value.meta["val"], region=region, kind="all_reduce", params=[])
+            else:
+                powered = insert_call(graph, aten.pow.Tensor_Scalar, (value, p), like=value)
+                summed = insert_collective(graph, c10d.all_reduce.default, (powered, "sum", group_name),
+                                           val=value.meta["val"], region=region, kind="all_reduce", params=[])
+                whole = insert_call(graph, aten.pow.Tensor_Scalar, (summed, 1.0 / p), like=value)
+        else:
+            op = "sum" if reduction.target in _SUMS else "max"
+            whole = insert_collective(graph, c10d.all_reduce.default, (value, op, group_name),
+                                      val=value.meta["val"], region=region, kind="all_reduce", params=[])
+    whole.meta[meta.PLACEMENT] = Replicate()
+    for u in users:
+        u.replace_input_with(value, whole)
