@@ -168,6 +168,10 @@ def _op_name(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _fail(node: fx.Node, reason: str):
+    raise BatchDimError(node, reason)
+
+
 class _Analysis:
     """Symbol bookkeeping and the per-node rules; one instance per ``annotate_placements`` call."""
 

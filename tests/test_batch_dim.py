@@ -1,0 +1,456 @@
+"""Batch-dim analysis (passes/batch_dim.py) on traced training steps, single process."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from passes.batch_dim import BatchDimError, annotate_placements
+from passes.meta import PLACEMENT, ROLE, Role
+from spmd_compiler.tracing import trace_step
+
+aten = torch.ops.aten
+R, AVG = Replicate(), Partial("avg")
+
+
+class SimpleMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(50, 32)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return torch.sigmoid(self.net2(self.relu(self.net1(x))))
+
+
+class BatchDimModel(nn.Module):
+    """The seed's WrapperModule for test_data_parallel_batch_dim_analysis."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = SimpleMLP()
+
+    def forward(self, x):
+        output = self.mlp(x)
+        new_output = output.clone().view(-1)
+        squeezed_out = new_output.squeeze()
+        unsqueezed_out = squeezed_out.unsqueeze(0)
+        output = output + 0.1 * unsqueezed_out.view(output.shape[0], -1)
+        arange = torch.arange(output.shape[1], device=output.device)
+        ones = torch.ones(output.shape, device=output.device)
+        added_arange = arange.unsqueeze(0) + ones
+        zeros = torch.zeros(output.shape[1], device=output.device)
+        repeated_zeros = zeros.unsqueeze(0).repeat(output.shape[0], 1)
+        return output + added_arange + repeated_zeros
+
+
+def sum_loss_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = (model(x) - y).sum()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def annotated(model, optim, batch, step=sum_loss_step, input_batch_dim=0):
+    gm = trace_step(step, (model, optim, batch), {}, input_batch_dim=input_batch_dim).gm
+    return annotate_placements(gm)
+
+
+def calls(gm, target):
+    return [n for n in gm.graph.nodes if n.target == target]
+
+
+def placement(node):
+    return node.meta[PLACEMENT]
+
+
+def size_exprs(node):
+    return [str(s) for s in node.meta["val"].shape]
+
+
+def check_roles(gm):
+    """Parameters and optimizer state are Replicate, gradients Partial(avg)."""
+    grads = 0
+    for n in gm.graph.nodes:
+        role = n.meta.get(ROLE)
+        if role in (Role.PARAM, Role.OPT_STATE, Role.BUFFER):
+            assert placement(n) == R, n
+        if role == Role.GRAD:
+            assert placement(n) == AVG, n
+            grads += 1
+    return grads
+
+
+def test_seed_batch_dim_model():
+    model = BatchDimModel()
+    gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   (torch.randn(16, 50), torch.randn(16, 8)))
+    x, y = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.INPUT]
+    assert placement(x) == placement(y) == Shard(0)
+    b = size_exprs(x)[0]
+
+    flat = calls(gm, aten.view.default)[0]  # output.clone().view(-1)
+    assert size_exprs(flat) == [f"8*{b}"] and placement(flat) == Shard(0)
+    unsq = calls(gm, aten.unsqueeze.default)[0]  # squeezed_out.unsqueeze(0)
+    assert size_exprs(unsq) == ["1", f"8*{b}"] and placement(unsq) == Shard(1)
+    back = calls(gm, aten.view.default)[1]  # .view(output.shape[0], -1)
+    assert size_exprs(back) == [b, "8"] and placement(back) == Shard(0)
+    (arange,) = calls(gm, aten.arange.default)
+    assert placement(arange) == R
+    (ones,) = calls(gm, aten.ones.default)
+    assert placement(ones) == Shard(0)
+    (zeros,) = calls(gm, aten.zeros.default)
+    assert placement(zeros) == R
+    (repeat,) = calls(gm, aten.repeat.default)
+    assert placement(repeat.args[0]) == R and placement(repeat) == Shard(0)
+    # the weight gradients contract over the batch
+    assert all(placement(mm) == AVG for mm in calls(gm, aten.mm.default) if not size_exprs(mm)[0] == b)
+    assert check_roles(gm) == 4
+    loss = gm.graph.output_node().args[0][0]
+    assert placement(loss) == AVG
+
+
+def test_non_zero_batch_dim_fused_adam():
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = SimpleMLP()
+
+        def forward(self, x):
+            return self.mlp(x.t().contiguous()).t()
+
+    model = Transposed()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    gm = annotated(model, optim, (torch.randn(50, 16), torch.randn(8, 16)), input_batch_dim=1)
+    x, y = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.INPUT]
+    assert placement(x) == placement(y) == Shard(1)
+    t_in = next(n for n in calls(gm, aten.t.default) if n.args[0] is x)
+    assert placement(t_in) == Shard(0)
+    out_t = next(n for n in calls(gm, aten.t.default) if n.args[0].target == aten.sigmoid.default)
+    assert placement(out_t) == Shard(1)
+    check_roles(gm)
+    (adam,) = calls(gm, aten._fused_adam_.default)
+    assert placement(adam) == [AVG] * 4  # what it writes into each parameter / state
+
+
+def test_feature_dim_equal_to_batch_size_is_not_sharded():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                   (torch.randn(16, 16), torch.randn(16, 16)))
+    for n in gm.graph.nodes:
+        p = placement(n)
+        if isinstance(p, Shard):
+            assert size_exprs(n)[p.dim] != "16", n  # only the symbolic batch size is sharded
+        if isinstance(n.meta.get("val"), torch.Tensor) and "s" not in "".join(size_exprs(n)):
+            assert not isinstance(p, Shard), n
+    addmms = calls(gm, aten.addmm.default)
+    assert [placement(n) for n in addmms] == [Shard(0), Shard(0)]
+    weight_grads = [n for n in calls(gm, aten.mm.default) if size_exprs(n) == ["16", "16"]]
+    assert weight_grads and all(placement(n) == AVG for n in weight_grads)
+    assert check_roles(gm) == 4
+
+
+class TinyBlock(nn.Module):
+    """Embedding, causal self-attention, MLP and an LM head: batch x seq flattened for the loss."""
+
+    def __init__(self, vocab=11, dim=8, heads=2, seq=5):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("causal", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+    def forward(self, idx):
+        b, t = idx.shape
+        h = self.tok(idx) + self.pos[:t]
+        q, k, v = self.qkv(self.ln1(h)).split(h.shape[-1], dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / (q.shape[-1] ** 0.5)
+        att = att.masked_fill(~self.causal[:t, :t], float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, -1)
+        h = h + self.proj(y)
+        h = h + self.mlp(self.ln2(h))
+        return self.head(h)
+
+
+def lm_step(model, optim, batch):
+    optim.zero_grad()
+    idx, targets = batch
+    logits = model(idx)
+    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_transformer_block_flattens_batch_and_seq():
+    model = TinyBlock()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    gm = annotated(model, optim, (torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))),
+                   step=lm_step)
+    idx = next(n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.INPUT)
+    b = size_exprs(idx)[0]
+    (nll,) = calls(gm, aten.nll_loss_forward.default)
+    logits, targets = nll.args[0].args[0], nll.args[1]
+    assert size_exprs(targets) == [f"5*{b}"] and placement(targets) == Shard(0)
+    assert size_exprs(logits) == [f"5*{b}", "11"] and placement(logits) == Shard(0)
+    assert placement(nll) == [AVG, AVG]
+    scores = [n for n in calls(gm, aten.bmm.default) if size_exprs(n)[1:] == ["5", "5"]]
+    assert scores and all(placement(n) == Shard(0) for n in scores)  # [b*heads, t, t]
+    (buf,) = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.BUFFER]
+    assert placement(buf) == R
+    assert check_roles(gm) == len(list(model.parameters()))
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4, track_running_stats=False)
+        self.fc = nn.Linear(4 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(torch.flatten(x, 1))
+
+
+def ce_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_conv_net_with_batch_norm_and_flatten():
+    model = ConvNet()
+    gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                   (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))), step=ce_step)
+    b = size_exprs(next(n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.INPUT))[0]
+    (conv,) = calls(gm, aten.convolution.default)
+    assert placement(conv) == Shard(0)
+    flat = next(n for n in gm.graph.nodes if n.target == aten.view.default
+                and size_exprs(n) == [b, "64"])
+    assert placement(flat) == Shard(0)
+    bn = next(n for n in gm.graph.nodes if "batch_norm" in str(n.target)
+              and "backward" not in str(n.target))
+    assert placement(bn)[0] == Shard(0) and placement(bn)[1:] == [AVG, AVG]  # local statistics
+    (conv_bwd,) = calls(gm, aten.convolution_backward.default)
+    grad_in, grad_w, grad_b = placement(conv_bwd)
+    assert grad_in in (Shard(0), None) and grad_w == grad_b == AVG
+    assert check_roles(gm) == len(list(model.parameters()))
+
+
+def test_unbatched_extra_input_is_replicate():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x, mask):
+            return self.lin(x) * mask
+
+    def step(model, optim, batch):
+        optim.zero_grad()
+        x, mask, y = batch
+        loss = F.mse_loss(model(x, mask), y)
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = Masked()
+    batch = (torch.randn(4, 6), torch.ones(6), torch.randn(4, 6))
+    gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=step,
+                   input_batch_dim=(0, None, 0))
+    x, mask, y = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.INPUT]
+    assert (placement(x), placement(mask), placement(y)) == (Shard(0), R, Shard(0))
+    mul = next(n for n in calls(gm, aten.mul.Tensor) if mask in n.args)
+    assert placement(mul) == Shard(0)
+    (mse,) = calls(gm, aten.mse_loss.default)
+    assert placement(mse) == AVG
+    assert check_roles(gm) == 2
+
+
+def _raising_step(forward):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return forward(self.lin(x))
+
+    def step(model, optim, batch):
+        optim.zero_grad()
+        loss = model(batch).sum()
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = M()
+    return trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8)),
+                      {}, input_batch_dim=0).gm
+
+
+@pytest.mark.parametrize("forward, op, why", [
+    (lambda h: h.t().reshape(-1), "_unsafe_view", "not outermost"),  # [8, b] flattened: batch inner
+    (lambda h: h[0], "select", "selects, slices or indexes"),
+    (lambda h: h[1:], "slice", "batch-free factor"),
+    (lambda h: h @ h.t(), "mm", "one batch dim only"),  # [b, b]
+    (lambda h: torch.cat([h, h]), "cat", "interleaves"),
+    (lambda h: h.repeat(2, 1), "repeat", "interleaves"),
+    (lambda h: h.cumsum(0), "cumsum", "positions of the samples"),
+    (lambda h: h.softmax(0), "_softmax", "positions of the samples"),
+    (lambda h: h + torch.arange(h.shape[0])[:, None], "arange", "local samples"),
+], ids=["flatten-batch-inner", "select", "slice", "outer", "cat", "repeat", "cumsum", "softmax",
+        "arange"])
+def test_unexplained_ops_raise_naming_op_and_source(forward, op, why):
+    gm = _raising_step(forward)
+    with pytest.raises(BatchDimError, match=why) as info:
+        annotate_placements(gm)
+    err = info.value
+    assert f"aten.{op}." in err.op and err.op in str(err)
+    assert "test_batch_dim.py" in (err.stack_trace or "")  # the user's source line
+    assert all(PLACEMENT not in n.meta for n in gm.graph.nodes)  # nothing half-annotated
+
+
+def test_functional_collectives_after_expansion():
+    """all_reduce makes Partial gradients Replicate, so the optimizer region is Replicate."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from passes.replicate import expand_replicate
+
+    model = SimpleMLP()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gm = trace_step(sum_loss_step, (model, optim, (torch.randn(8, 50), torch.randn(8, 8))),
+                    {}, input_batch_dim=0).gm
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = dist.group.WORLD.group_name
+        gm = annotate_placements(expand_replicate(gm, group_name=group, world_size=2))
+    finally:
+        dist.destroy_process_group()
+    c10d = torch.ops._c10d_functional
+    reduces = calls(gm, c10d.all_reduce.default)
+    assert len(reduces) == 4
+    for ar in reduces:
+        assert placement(ar.args[0]) == AVG and placement(ar) == R
+        (wait,) = [u for u in ar.users if u.target == c10d.wait_tensor.default]
+        assert placement(wait) == R
+    optimizer_updates = [n for n in gm.graph.nodes if n.target in (aten.add_.Tensor, aten.mul_.Tensor)
+                         and n.meta["val"].dim() > 0]
+    assert optimizer_updates and all(placement(n) == R for n in optimizer_updates)
+
+
+# -- property: random view/permute chains against eager ground truth -------------------------
+
+BASE = (3, 4)  # the non-batch dims of the input
+
+
+def _chain_ops(data):
+    """Draw a chain of shape ops; each op is a function of a tensor, independent of batch size."""
+    ops = []
+    shapes = {2: (2, *BASE), 3: (3, *BASE)}  # the running shape at two batch sizes
+
+    def apply(op):
+        ops.append(op)
+        for bs, s in shapes.items():
+            shapes[bs] = tuple(op(torch.empty(s, device="meta")).shape)
+
+    for _ in range(data.draw(st.integers(1, 6), label="length")):
+        nd = len(shapes[2])
+        kind = data.draw(st.sampled_from(
+            ["view_flat", "flatten", "permute", "transpose", "unsqueeze", "squeeze", "repeat",
+             "unflatten", "t"]), label="kind")
+        if kind == "view_flat":
+            apply(lambda x: x.contiguous().view(-1))
+        elif kind == "flatten" and nd > 1:
+            start = data.draw(st.integers(0, nd - 2))
+            end = data.draw(st.integers(start + 1, nd - 1))
+            apply(lambda x, s=start, e=end: x.flatten(s, e))
+        elif kind == "permute":
+            perm = data.draw(st.permutations(range(nd)))
+            apply(lambda x, p=tuple(perm): x.permute(p).contiguous())
+        elif kind == "transpose" and nd > 1:
+            d0, d1 = data.draw(st.lists(st.integers(0, nd - 1), min_size=2, max_size=2, unique=True))
+            apply(lambda x, a=d0, b=d1: x.transpose(a, b))
+        elif kind == "t" and nd == 2:
+            apply(lambda x: x.t())
+        elif kind == "unsqueeze":
+            d = data.draw(st.integers(0, nd))
+            apply(lambda x, d=d: x.unsqueeze(d))
+        elif kind == "squeeze":
+            ones = [i for i, s in enumerate(shapes[2]) if s == 1]
+            if ones:
+                d = data.draw(st.sampled_from(ones))
+                apply(lambda x, d=d: x.squeeze(d))
+        elif kind == "repeat":
+            reps = data.draw(st.lists(st.integers(1, 2), min_size=nd, max_size=nd))
+            apply(lambda x, r=tuple(reps): x.repeat(r))
+        elif kind == "unflatten":
+            d = data.draw(st.integers(0, nd - 1))
+            sizes = (shapes[2][d], shapes[3][d])
+            factors = [k for k in (2, 3, 4, 6) if all(s % k == 0 for s in sizes)]
+            if factors:
+                k = data.draw(st.sampled_from(factors))
+                apply(lambda x, d=d, k=k: x.unflatten(d, (-1, k)))
+    return ops
+
+
+def _run(ops, x):
+    for op in ops:
+        x = op(x)
+    return x
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_view_chains_match_eager_sharding(data):
+    ops = _chain_ops(data)
+
+    def step(model, optim, x):
+        optim.zero_grad()
+        out = _run(ops, x * model.w)
+        out.sum().backward()
+        optim.step()
+        return out
+
+    model = Scale()
+    gm = trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           torch.randn(4, *BASE)), {}, input_batch_dim=0).gm
+    # ground truth: the dim whose size changes with the batch size ...
+    small, large = _run(ops, torch.randn(2, *BASE)), _run(ops, torch.randn(3, *BASE))
+    changing = [i for i, (a, b) in enumerate(zip(small.shape, large.shape)) if a != b]
+    assert len(changing) == 1
+    (d,) = changing
+    # ... and whether two ranks' outputs on halves of a batch concatenate to the global output
+    x = torch.randn(4, *BASE)
+    concat_ok = torch.equal(torch.cat([_run(ops, x[:2]), _run(ops, x[2:])], d), _run(ops, x))
+    try:
+        annotate_placements(gm)
+    except BatchDimError:
+        assert not concat_ok
+        return
+    out = gm.graph.output_node().args[0][0]
+    assert placement(out) == Shard(d) and concat_ok
+    check_roles(gm)
