@@ -315,6 +315,22 @@ def _close_live_pools() -> None:
         p.close()
 
 
+def _trim_stack_dump(text: str) -> str:
+    """Drop the harness's own frames from a faulthandler dump: the watchdog thread, and the
+    process bootstrap below ``_worker_main``."""
+    blocks = []
+    for block in text.strip().split("\n\n"):
+        if "in _watch_test_process" in block:
+            continue
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if line.rstrip().endswith("in _worker_main"):
+                lines = lines[: i + 1]
+                break
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -525,6 +541,7 @@ class WorkerPool:
         (``timeout`` is taken by this method: a job function cannot receive a keyword argument of
         that name.)
         """
+        __tracebackhide__ = True  # pytest: show the ranks' tracebacks, not this harness
         module, qualname = self._job_name(fn)
         name = f"{module}.{qualname}"
         job = pickle.dumps(
@@ -560,6 +577,7 @@ class WorkerPool:
         return module, qualname
 
     def _run(self, name: str, job: bytes, timeout: float) -> list[Any]:
+        __tracebackhide__ = True
         ws = self.world_size
         dead: dict[int, int | None] = {}
         for r, conn in enumerate(self._conns):
@@ -595,10 +613,14 @@ class WorkerPool:
             f"\nrank {r} (worker process) exited: {_describe_exit(c)}" for r, c in sorted(dead.items())
         )
 
-        failure_text = "".join(
-            f"\n--- rank {r}: {f.exc_type}: {f.message}\n{f.traceback.rstrip()}"
-            for r, f in failures.items()
-        )
+        failure_text = ""
+        shown: dict[str, int] = {}  # traceback text -> first rank that showed it
+        for r, f in failures.items():
+            if f.traceback in shown:
+                failure_text += f"\n--- rank {r}: the same {f.exc_type} as rank {shown[f.traceback]}"
+            else:
+                shown[f.traceback] = r
+                failure_text += f"\n--- rank {r}: {f.exc_type}: {f.message}\n{f.traceback.rstrip()}"
         if dead:  # the root cause; errors on the other ranks are usually its consequence
             ranks = sorted(dead)
             msg = (
@@ -696,11 +718,11 @@ class WorkerPool:
         for r, size in sizes.items():
             with open(self._dump_paths[r]) as f:
                 f.seek(size)
-                stacks[r] = f.read().rstrip() or "(no stack dump received)"
+                stacks[r] = _trim_stack_dump(f.read()) or "(no stack dump received)"
         return stacks
 
     def __repr__(self) -> str:
-        state = "healthy" if self.healthy else "stopped"
+        state = "healthy" if self.healthy else "starting" if self._starting else "stopped"
         return f"WorkerPool(world_size={self.world_size}, {state}, starts={self.starts}, jobs={self.jobs})"
 
 

@@ -208,6 +208,7 @@ def test_rejects_functions_workers_cannot_import(pool2):
     assert pool2.healthy  # nothing was sent
 
 
+@pytest.mark.multirank
 def test_standalone_pool_context_manager():
     with WorkerPool(2) as p:
         assert p.run(_job_sleep, 0) == [0, 1]
@@ -259,3 +260,18 @@ def test_assert_close_all_names_rank(pool2):
     assert messages[0] is None
     assert "on rank 1" in messages[1] and "first: 'param[1]'" in messages[1]
     assert "max abs err 0.001 at (2,)" in messages[1]
+
+
+def _job_raise_everywhere():
+    raise RuntimeError("same failure on every rank")
+
+
+def test_identical_failures_are_shown_once(pool3):
+    with pytest.raises(RankError) as info:
+        pool3.run(_job_raise_everywhere)
+    text = str(info.value)
+    assert "raised on ranks 0, 1, 2" in text
+    assert text.count("Traceback (most recent call last)") == 1
+    assert "--- rank 1: the same RuntimeError as rank 0" in text
+    assert set(info.value.failures) == {0, 1, 2}
+    assert pool3.run(_job_sleep, 0) == [0, 1, 2]
