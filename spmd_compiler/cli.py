@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=20, help="training steps per mode (default 20)")
     d.add_argument("--batch", type=int, default=32, help="local batch size per rank (default 32)")
     d.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
-    d.add_argument("--modes", nargs="+", default=["replicate"], choices=["replicate", "fully_shard"],
-                   help="parallel styles to run (default: replicate)")
+    d.add_argument("--modes", nargs="+", default=["replicate", "fully_shard"], choices=["replicate", "fully_shard"],
+                   help="parallel styles to run (default: both)")
     d.add_argument("--dump-dir", default=None,
                    help="folder for per-stage graph dumps (default: a new temporary folder)")
     d.add_argument("--tolerance", type=float, default=1e-5,
