@@ -43,6 +43,9 @@ later pool start or restart forks ready workers in well under a second. A side e
 see the environment variables of the moment the fork server started (the first pool start of
 the session), not later changes.
 
+Loopback only: workers set ``GLOO_SOCKET_IFNAME=lo`` (unless it is already set) so gloo never
+picks the interface the host name resolves to.
+
 Process group rendezvous: the test process hosts a ``TCPStore`` on 127.0.0.1, port 0 (the kernel
 picks a free port, so there is no race between finding a port and binding it), and the workers
 join it as clients. This is equivalent to ``init_method="tcp://127.0.0.1:<port>"`` but the store
@@ -230,6 +233,9 @@ def _worker_main(
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
     threading.Thread(target=_watch_test_process, args=(test_pid,), daemon=True).start()
 
+    if os.path.exists("/sys/class/net/lo"):
+        # gloo would otherwise use the interface the host name resolves to: keep it on loopback.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         store = dist.TCPStore(
             "127.0.0.1", store_port, world_size, False, timeout=timedelta(seconds=pg_timeout)

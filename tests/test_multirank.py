@@ -275,3 +275,16 @@ def test_identical_failures_are_shown_once(pool3):
     assert "--- rank 1: the same RuntimeError as rank 0" in text
     assert set(info.value.failures) == {0, 1, 2}
     assert pool3.run(_job_sleep, 0) == [0, 1, 2]
+
+
+def _job_gloo_peer_address():
+    # every rank reports the interface gloo was told to use (an all_gather through gloo itself)
+    addresses = [None] * dist.get_world_size()
+    dist.all_gather_object(addresses, os.environ.get("GLOO_SOCKET_IFNAME"))
+    return addresses
+
+
+def test_gloo_stays_on_loopback(pool2):
+    default = "lo" if os.path.exists("/sys/class/net/lo") else None
+    expected = os.environ.get("GLOO_SOCKET_IFNAME", default)
+    assert pool2.run(_job_gloo_peer_address) == [[expected, expected]] * 2
