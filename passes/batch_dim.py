@@ -267,6 +267,10 @@ class _Analysis:
                     _fail(node, f"reads a {p} tensor into a Python number: the value differs "
                                 "across ranks and would steer the step differently on each")
             return None
+        if name.endswith("_like") and name in _FACTORIES and _is_tensor(val):
+            src = self.inputs(node, node.args[:1])[0]
+            if isinstance(src[1], Shard) and not self.is_batch_shard(*src):
+                return src[1]  # a fresh tensor like a parameter shard is a shard of that tensor
         ins = self.inputs(node, self._value_args(node, name))
         if _is_tensor(val):
             p = self.output(node, name, val, ins, None)
@@ -328,6 +332,9 @@ class _Analysis:
 
     def output(self, node, name, out, ins, position):
         """The placement of one tensor result ``out`` of ``node`` from its inputs' placements."""
+        if name == "pow" and len(ins) == 1 and isinstance(ins[0][1], _NormPartial):
+            if node.args[1] == ins[0][1].norm_type:  # |shard|_p ** p: a sum over the shards
+                return Partial("sum")
         for _, p in ins:
             if isinstance(p, Partial) and p != AVG:
                 _fail(node, f"an input is {p} over parameter shards; it needs its all_reduce "
@@ -423,7 +430,8 @@ class _Analysis:
         """Results of ops on stored parameter/state shards (non-batch ``Shard``, static sizes)."""
         shards = [(v, p) for v, p in ins if isinstance(p, Shard)]
         if self._elementwise(node, name) and len({p.dim for _, p in shards}) == 1:
-            same = all(tuple(v.shape) == tuple(out.shape) for v, _ in shards)
+            # ranks only: a shard's meta may hold its local or its logical (unsharded) shape
+            same = all(v.dim() == out.dim() for v, _ in shards)
             scalars = all(v.numel() == 1 for v, p in ins if isinstance(p, Replicate))
             if same and scalars:
                 return shards[0][1]

@@ -356,6 +356,64 @@ def test_functional_collectives_after_expansion():
     assert optimizer_updates and all(placement(n) == R for n in optimizer_updates)
 
 
+def clip_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = (model(x) - y).sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    return loss
+
+
+@pytest.mark.parametrize("make_optim", [
+    lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True),
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+], ids=["adam-fused", "adamw-foreach", "sgd-momentum"])
+def test_fully_shard_expanded_graph(make_optim):
+    """Stored shards stay Shard(0) through the optimizer; gathered parameters are Replicate;
+    reduce_scatter turns Partial gradients into shards; a grad norm over shards is a Partial sum
+    of squares until its all_reduce."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from passes.fully_shard import expand_fully_shard
+
+    model = SimpleMLP()
+    gm = trace_step(clip_step, (model, make_optim(model.parameters()),
+                                (torch.randn(8, 50), torch.randn(8, 8))), {}, input_batch_dim=0).gm
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        gm = expand_fully_shard(gm, group_name=dist.group.WORLD.group_name, world_size=3)
+    finally:
+        dist.destroy_process_group()
+    annotate_placements(gm)
+    c10d = torch.ops._c10d_functional
+    params = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.PARAM]
+    assert all(placement(p) == Shard(0) for p in params)
+    gathers = calls(gm, c10d.all_gather_into_tensor.default)
+    assert gathers and all(placement(g) == R for g in gathers)
+    assert placement(calls(gm, aten.addmm.default)[0]) == Shard(0)
+    scatters = calls(gm, c10d.reduce_scatter_tensor.default)
+    assert len(scatters) == 4
+    for rs in scatters:
+        assert placement(rs.args[0]) == AVG and placement(rs) == Shard(0)
+    assert all(placement(n) == AVG for n in gm.graph.nodes if n.meta.get(ROLE) == Role.GRAD)
+    norms = [n for n in gm.graph.nodes if n.target in (aten.linalg_vector_norm.default,
+                                                         aten._foreach_norm.Scalar)]
+    assert norms
+    pows = [n for n in calls(gm, aten.pow.Tensor_Scalar) if n.args[0] in norms
+            or n.args[0].target is operator.getitem and n.args[0].args[0] in norms]
+    assert pows and all(placement(n) == Partial("sum") for n in pows)
+    writes = [n for n in gm.graph.nodes if str(n.target).startswith(
+        ("aten._fused_adam_", "aten._foreach_addcdiv_", "aten.add_.Tensor"))
+        and any(p in params for p in (n.args[0] if isinstance(n.args[0], list) else [n.args[0]]))]
+    assert writes
+    for n in writes:
+        ps = placement(n) if isinstance(placement(n), list) else [placement(n)]
+        assert ps and all(p == Shard(0) for p in ps), n
+
+
 # -- property: random view/permute chains against eager ground truth -------------------------
 
 BASE = (3, 4)  # the non-batch dims of the input
