@@ -26,13 +26,15 @@ class Runner:
     """One rank's prepared step.
 
     ``module``/``optim`` are None for modes that hold no training state (``comm``).
-    ``compile_seconds`` returns the compiler's own first-call figure, when it reports one.
+    ``compile_seconds``/``compiles`` return the compiler's own figures (time of the latest
+    compile, number of compiles so far), when it reports them.
     """
 
     step: Callable[[Batch], Any]
     module: nn.Module | None = None
     optim: torch.optim.Optimizer | None = None
     compile_seconds: Callable[[], float | None] = lambda: None
+    compiles: Callable[[], int | None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ def _spmd_prepare(style: str, backend: str) -> Callable[[ModelSpec, int], Runner
             model,
             optim,
             lambda: _compile_seconds(step),
+            lambda: getattr(step, "compile_count", None),
         )
 
     return prepare

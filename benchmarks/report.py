@@ -35,6 +35,15 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _compile(r: dict) -> str:
+    """Seconds spent compiling, with the number of compiles when there was more than one."""
+    text = _fmt(r["compile_s"], ".2f")
+    if (r.get("compiles") or 0) > 1:
+        text += f" ({r['compiles']} compiles"
+        text += f", {r['compiles_while_timed']} while timed)" if r["compiles_while_timed"] else ")"
+    return text
+
+
 def _size(n: float) -> str:
     """Bytes in binary units: 7.4 KiB, 68.2 MiB."""
     for unit in ("B", "KiB", "MiB"):
@@ -72,7 +81,7 @@ def rows(results: dict, reason_width: int | None = 60) -> list[list[str]]:
                     _fmt(r["ratio_to_ddp"], ".2f"),
                     _fmt(r["ratio_to_fsdp2"] if r.get("sharded") else None, ".2f"),
                     _fmt(r["ratio_to_lower_bound"], ".2f"),
-                    _fmt(r["compile_s"], ".2f"),
+                    _compile(r),
                     _per_rank(r["persistent_bytes_per_rank"]),
                     _per_rank([mb * MB for mb in r["rss_peak_mb_per_rank"]]),
                     _size(r["comm_total_bytes"]),
@@ -140,6 +149,22 @@ def chart(results: dict, path: Path) -> str | None:
     return None
 
 
+def slower(results: dict) -> list[str]:
+    """Bullets for every spmd mode whose median is above DDP's (or FSDP2's, when sharded)."""
+    out = []
+    for model in results["models"]:
+        for r in model["results"]:
+            if r["status"] != "ok" or not r["mode"].startswith("spmd"):
+                continue
+            refs = [("DDP", r["ratio_to_ddp"])]
+            if r.get("sharded"):
+                refs.append(("FSDP2", r["ratio_to_fsdp2"]))
+            worse = [f"{x:.2f}x {name}" for name, x in refs if x and x > 1]
+            if worse:
+                out.append(f"- {model['name']} / {r['mode']}: {', '.join(worse)}")
+    return out or ["- nowhere in this run"]
+
+
 def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> str:
     m, cfg = results["machine"], results["config"]
     lines = [
@@ -154,6 +179,9 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         f"- Date (UTC): {m['date']}",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; "
         f"Python {m['python']}, torch {m['torch']}",
+        f"- 1-minute load average at start / end: {m['load_average_start']:.1f} / "
+        f"{m['load_average_end']:.1f} (above {m['cores']} means other processes shared the "
+        "cores and inflated the times)",
         f"- World size {cfg['world_size']} (gloo on 127.0.0.1, one process per rank, "
         "`torch.set_num_threads(1)`), every (model, mode) in fresh processes",
         f"- First call (compiles for spmd modes) + {cfg['warmup']} warm-up steps, "
@@ -192,8 +220,10 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "loaded as in the real modes); `comm` is one all_reduce of all gradient bytes as a single "
         "flat buffer. No data-parallel step can beat either; a ratio near 1 means nothing is left "
         "to gain from overlap.",
-        "- **compile s**: the compiler's own first-call figure (spmd modes); the first call's wall "
-        "time of every mode is in the JSON (`first_call_s`).",
+        "- **compile s**: total of the compiler's own compile times (spmd modes), with the "
+        "number of compiles when there was more than one (a compile while timed would show in "
+        "the step times); the first call's wall time of every mode is in the JSON "
+        "(`first_call_s`).",
         "- **persistent/rank**: params + grads + optimizer state that stay alive between steps, "
         "counted from the real local tensors (`to_local()` of DTensors), per rank (min-max).",
         "- **peak RSS/rank**: `ru_maxrss` of the rank's process (each job has fresh processes; "
@@ -207,9 +237,7 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "initialization on the same per-rank data (float32). References have none.",
         "",
     ]
-    notes = results.get("notes") or []
-    if notes:
-        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    lines += ["## Where spmd is slower than the eager references", ""] + slower(results) + [""]
     return "\n".join(lines)
 
 

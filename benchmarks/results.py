@@ -60,6 +60,8 @@ def summarize(mode: Mode, ranks: list[dict], comm: dict[str, int], world_size: i
         steps_ms=steps_ms,
         first_call_s=r0["first_call_seconds"],
         compile_s=r0["compile_seconds"],
+        compiles=r0["compiles"],
+        compiles_while_timed=r0["compiles_while_timed"],
         persistent_bytes_per_rank=[
             None if r["persistent_bytes"] is None else r["persistent_bytes"]["total"] for r in ranks
         ],

@@ -122,6 +122,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "load_average_start": os.getloadavg()[0],
     }
 
 
@@ -168,6 +169,7 @@ def main(argv=None) -> int:
     }
     for name in args.models:
         results["models"].append(run_model(name, args))
+    results["machine"]["load_average_end"] = os.getloadavg()[0]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")

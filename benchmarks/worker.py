@@ -64,16 +64,29 @@ def _measure(job: Job, rank: int) -> dict:
     torch.manual_seed(job.seed)  # same initial parameters on every rank and in every mode
     runner = mode.prepare(spec, job.world_size)
 
+    compile_seconds, compiles = 0.0, 0
+
+    def account_compiles() -> None:
+        nonlocal compile_seconds, compiles
+        count = runner.compiles()
+        if count is not None and count > compiles:
+            compile_seconds += runner.compile_seconds() or 0.0
+            compiles = count
+
     start = time.perf_counter()
     runner.step(batches[0])
     first_call = time.perf_counter() - start
+    account_compiles()
     for batch in batches[1 : 1 + job.warmup]:
         runner.step(batch)
+        account_compiles()
+    warm_compiles = compiles
     times = []
     for batch in batches[1 + job.warmup :]:
         start = time.perf_counter()
         loss = runner.step(batch)
         times.append(time.perf_counter() - start)
+    account_compiles()
 
     # Step time = slowest rank per step, reduced after the loop so timing has no extra syncs.
     per_step = torch.tensor(times, dtype=torch.float64)
@@ -83,7 +96,9 @@ def _measure(job: Job, rank: int) -> dict:
     return {
         "step_seconds": per_step.tolist(),
         "first_call_seconds": first.item(),
-        "compile_seconds": runner.compile_seconds(),
+        "compile_seconds": compile_seconds if runner.compiles() is not None else None,
+        "compiles": runner.compiles(),
+        "compiles_while_timed": compiles - warm_compiles,
         "persistent_bytes": persistent_bytes(runner),
         "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else None,
         "params": None if mode.reference else full_params(runner),
