@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.fx.operator_schemas import normalize_function
 
 from .meta import INPUT_BATCH_DIM, PLACEMENT, ROLE, Role
 
@@ -86,7 +87,7 @@ _INDEX_RETURNING = frozenset({
     "max", "min", "median", "nanmedian", "mode", "kthvalue", "sort", "topk", "cummax", "cummin",
 })
 # Scatter-style reductions given as index_put(..., accumulate): only accumulate=True is a sum.
-_ACCUMULATE_ARG = {"index_put": 3, "index_put_": 3, "_index_put_impl_": 3, "_unsafe_index_put": 3}
+_ACCUMULATE = frozenset({"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"})
 
 # Reshapes: the batch dim may be merged/split only with dims inside it (outer prefix unchanged).
 _RESHAPES = frozenset({
@@ -100,36 +101,18 @@ _IDENTITIES = frozenset({
 })
 
 
-def _dims_arg(args, i, default):
-    d = args[i] if len(args) > i else default
-    return [d] if isinstance(d, int) else list(d)
-
-
-# Ops that mix values along a dim argument; along the batch dim they would see only local samples
-# in positional ways (softmax over the batch is rank-local but not a symmetric reduction, a flip
-# reorders samples): op name -> (arg index of the tensor, dims it mixes).
+# Ops that mix values along a dim argument; along the batch dim they would depend on where each
+# sample sits in its rank's local batch (a softmax over the batch, a flip, a gather): op name ->
+# (tensor argument, dim argument), as named by torch.fx.operator_schemas.normalize_function.
 _MIXES_ALONG = {
-    "_softmax": lambda a: (0, [a[1]]),
-    "_log_softmax": lambda a: (0, [a[1]]),
-    "_softmax_backward_data": lambda a: (0, [a[2]]),
-    "_log_softmax_backward_data": lambda a: (0, [a[2]]),
-    "cumsum": lambda a: (0, [a[1]]),
-    "cumsum_": lambda a: (0, [a[1]]),
-    "cumprod": lambda a: (0, [a[1]]),
-    "logcumsumexp": lambda a: (0, [a[1]]),
-    "cummax": lambda a: (0, [a[1]]),
-    "cummin": lambda a: (0, [a[1]]),
-    "sort": lambda a: (0, _dims_arg(a, 1, -1)),
-    "topk": lambda a: (0, _dims_arg(a, 2, -1)),
-    "flip": lambda a: (0, _dims_arg(a, 1, [])),
-    "roll": lambda a: (0, _dims_arg(a, 2, [])),
-    "gather": lambda a: (0, [a[1]]),
-    "scatter": lambda a: (0, [a[1]]),
-    "scatter_": lambda a: (0, [a[1]]),
-    "index_select": lambda a: (0, [a[1]]),
-    "index_fill": lambda a: (0, [a[1]]),
-    "index_copy": lambda a: (0, [a[1]]),
-    "diff": lambda a: (0, _dims_arg(a, 2, -1)),
+    **dict.fromkeys(
+        ["_softmax", "_log_softmax", "cumsum", "cumsum_", "cumprod", "logcumsumexp", "cummax",
+         "cummin", "sort", "topk", "gather", "scatter", "scatter_", "index_select", "index_fill",
+         "index_copy", "diff"], ("input", "dim")),
+    "_softmax_backward_data": ("grad_output", "dim"),
+    "_log_softmax_backward_data": ("grad_output", "dim"),
+    "flip": ("input", "dims"),
+    "roll": ("input", "dims"),  # no dims: rolls the flattened tensor
 }
 
 _COLLECTIVE_NS = "_c10d_functional"
@@ -170,6 +153,15 @@ def _op_name(target) -> str:
 
 def _fail(node: fx.Node, reason: str):
     raise BatchDimError(node, reason)
+
+
+def _arguments(node: fx.Node) -> dict[str, Any]:
+    """The node's arguments by schema name (``self`` is called ``input``), defaults filled in."""
+    normalized = normalize_function(node.target, node.args, node.kwargs,
+                                    normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        _fail(node, "cannot match the node's arguments to its schema")
+    return normalized.kwargs
 
 
 class _Analysis:
@@ -239,7 +231,6 @@ class _Analysis:
                 out.append((n.meta["val"], p))
         return out
 
-
     # -- rules -----------------------------------------------------------------------------
 
     def node_placement(self, node: fx.Node):
@@ -288,6 +279,9 @@ class _Analysis:
         if schema is None or not schema.is_mutable:
             return
         name = _op_name(node.target)
+        if getattr(node.target, "namespace", None) == _COLLECTIVE_NS:
+            self.current[node.args[0]] = self.env[node]  # an in-place collective (all_reduce_)
+            return
         per_index = self.env[node] if name.startswith(("_foreach_", "_fused_")) else None
         ins = None
         for arg, value in zip(schema.arguments, node.args):
@@ -333,7 +327,7 @@ class _Analysis:
     def output(self, node, name, out, ins, position):
         """The placement of one tensor result ``out`` of ``node`` from its inputs' placements."""
         if name == "pow" and len(ins) == 1 and isinstance(ins[0][1], _NormPartial):
-            if node.args[1] == ins[0][1].norm_type:  # |shard|_p ** p: a sum over the shards
+            if _arguments(node)["exponent"] == ins[0][1].norm_type:  # |shard|_p ** p: a sum
                 return Partial("sum")
         for _, p in ins:
             if isinstance(p, Partial) and p != AVG:
@@ -368,7 +362,6 @@ class _Analysis:
 
     def check_shard(self, node, name, out, d, batch_ins):
         """Op-specific conditions for a batch-sharded result ``out`` (sharded along ``d``)."""
-        args = node.args
         if name in _POSITIONAL_FACTORIES:
             _fail(node, f"{name} along the batch dim numbers each rank's local samples, not the "
                         "global ones")
@@ -380,25 +373,28 @@ class _Analysis:
                     _fail(node, f"reshaping {tuple(v.shape)} (batch dim {p.dim}) to "
                                 f"{tuple(out.shape)} puts the batch inside dim {d}, not outermost: "
                                 "the ranks' shards would interleave")
-        if name == "cat" and batch_ins:
-            cat_dim = (args[1] if len(args) > 1 else node.kwargs.get("dim", 0)) % out.dim()
-            if cat_dim == d:
-                _fail(node, "concatenating along the batch dim interleaves the ranks' samples")
+        if name == "cat" and batch_ins and _arguments(node)["dim"] % out.dim() == d:
+            _fail(node, "concatenating along the batch dim interleaves the ranks' samples")
         if name == "repeat":
-            reps = args[1]
+            reps = _arguments(node)["repeats"]
             for v, p in batch_ins:
                 if reps[p.dim + len(reps) - v.dim()] != 1:
                     _fail(node, "repeating along the batch dim interleaves the ranks' samples")
         if name in _MIXES_ALONG:
-            i, mixed = _MIXES_ALONG[name](args)
-            src = args[i]
+            src_name, dim_name = _MIXES_ALONG[name]
+            args = _arguments(node)
+            src, mixed = args[src_name], args[dim_name]
             v, p = src.meta["val"], self.env[src]
+            mixed = list(range(v.dim())) if mixed in ([], None) else (
+                [mixed] if isinstance(mixed, int) else mixed)
             if self.is_batch_shard(v, p) and p.dim in [m % v.dim() for m in mixed]:
                 _fail(node, f"{name} along the batch dim depends on the positions of the samples "
                             "within one rank's batch")
         if name == "index":
-            v, p = args[0].meta["val"], self.env[args[0]]
-            if self.is_batch_shard(v, p) and p.dim < len(args[1]) and args[1][p.dim] is not None:
+            args = _arguments(node)
+            v, p = args["input"].meta["val"], self.env[args["input"]]
+            indices = args["indices"]
+            if self.is_batch_shard(v, p) and p.dim < len(indices) and indices[p.dim] is not None:
                 _fail(node, "indexing into the batch dim with an index tensor")
         if self._elementwise(node, name):
             for v, p in batch_ins:
@@ -417,10 +413,8 @@ class _Analysis:
             _fail(node, f"the result {tuple(out.shape)} has no batch dim but its input "
                         f"{tuple(v.shape)} is sharded along dim {p.dim}, and {name} is not a "
                         "symmetric reduction over the batch (it selects, slices or indexes into it)")
-        if name in _ACCUMULATE_ARG:
-            i = _ACCUMULATE_ARG[name]
-            if not (node.args[i] if len(node.args) > i else node.kwargs.get("accumulate", False)):
-                _fail(node, f"{name} without accumulate writes batch samples by position")
+        if name in _ACCUMULATE and not _arguments(node)["accumulate"]:
+            _fail(node, f"{name} without accumulate writes batch samples by position")
         if name in _INDEX_RETURNING and position == 1:
             return _Unusable(f"{name} returns positions along the batch dim (indices of local "
                              "samples); only its values output is supported")
@@ -441,7 +435,9 @@ class _Analysis:
             if name in ("amax", "max", "amin", "min"):
                 return Partial("max" if "max" in name else "min")
             if name in ("linalg_vector_norm", "norm", "_foreach_norm"):
-                return _NormPartial(node.args[1] if len(node.args) > 1 else 2)
+                args = _arguments(node)
+                order = args.get("ord", args.get("p"))
+                return _NormPartial(2 if order is None else order)
         _fail(node, f"{name} on parameter shards is not covered")
 
     def per_index(self, node, name, val):
