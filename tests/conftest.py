@@ -13,7 +13,9 @@
   Without parametrization it is the world-size-2 pool.
 
 Every test that uses one of these fixtures gets the ``multirank`` marker, so
-``pytest -m "not multirank"`` runs only the single-process tests. At the end of the session a
+``pytest -m "not multirank"`` runs only the single-process tests. When the session has any
+multi-rank test, the fork server the workers are forked from starts right after collection and
+imports torch in the background. At the end of the session a
 line per pool reports its start-up times, jobs and restarts.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multirank import WorkerPool
+from tests.multirank import WorkerPool, prestart_forkserver
 
 _POOL_FIXTURES = frozenset({"pool", "pool2", "pool3"})
 
@@ -40,6 +42,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _POOL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.multirank)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # If any multi-rank test will run, let the fork server import torch while the tests before
+    # it run (two cores: the single-process tests leave one mostly free).
+    if any(item.get_closest_marker("multirank") for item in session.items):
+        prestart_forkserver()
 
 
 def _get_pool(world_size: int) -> WorkerPool:

@@ -121,6 +121,7 @@ __all__ = [
     "PoolStartError",
     "rank_data",
     "assert_close_all",
+    "prestart_forkserver",
 ]
 
 
@@ -313,6 +314,24 @@ def _type_name(e: BaseException) -> str:
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 
 
+def _default_start_method() -> str:
+    return os.environ.get("MULTIRANK_START_METHOD", "forkserver")
+
+
+def prestart_forkserver() -> bool:
+    """Launch the fork server now, without waiting for it: it imports ``_FORKSERVER_PRELOAD``
+    (several seconds of CPU) while the test process goes on, e.g. with single-process tests, and
+    the first pool start later only forks. Returns False (and does nothing) when the start method
+    is not forkserver."""
+    if _default_start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+    forkserver.ensure_running()
+    return True
+
+
 @atexit.register
 def _close_live_pools() -> None:
     # Runs before multiprocessing's own atexit hook (registered earlier, atexit is LIFO), which
@@ -373,7 +392,7 @@ class WorkerPool:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        start_method = start_method or os.environ.get("MULTIRANK_START_METHOD", "forkserver")
+        start_method = start_method or _default_start_method()
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
         self.world_size = world_size
@@ -613,17 +632,20 @@ class WorkerPool:
             r: RankFailure(r, m[2], m[3], m[4]) for r, m in sorted(replies.items()) if m[0] == "err"
         }
         stack_text = "".join(
-            f"\n--- Python stack of rank {r} when it was stopped:\n{stacks[r]}" for r in sorted(stacks)
+            f"\n--- Python stack of rank {r} when it was stopped:\n{stacks[r]}"
+            for r in sorted(stacks)
         )
         dead_text = "".join(
-            f"\nrank {r} (worker process) exited: {_describe_exit(c)}" for r, c in sorted(dead.items())
+            f"\nrank {r} (worker process) exited: {_describe_exit(c)}"
+            for r, c in sorted(dead.items())
         )
 
         failure_text = ""
         shown: dict[str, int] = {}  # traceback text -> first rank that showed it
         for r, f in failures.items():
             if f.traceback in shown:
-                failure_text += f"\n--- rank {r}: the same {f.exc_type} as rank {shown[f.traceback]}"
+                first = shown[f.traceback]
+                failure_text += f"\n--- rank {r}: the same {f.exc_type} as rank {first}"
             else:
                 shown[f.traceback] = r
                 failure_text += f"\n--- rank {r}: {f.exc_type}: {f.message}\n{f.traceback.rstrip()}"
@@ -643,7 +665,8 @@ class WorkerPool:
             raise WorkerDied(msg, dict(dead), failures)
         if failures:
             ranks = sorted(failures)
-            msg = f"{name} raised on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            plural = "s" if len(ranks) > 1 else ""
+            msg = f"{name} raised on rank{plural} {', '.join(map(str, ranks))}"
             msg += failure_text
             if pending:
                 msg += (
@@ -729,7 +752,10 @@ class WorkerPool:
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else "starting" if self._starting else "stopped"
-        return f"WorkerPool(world_size={self.world_size}, {state}, starts={self.starts}, jobs={self.jobs})"
+        return (
+            f"WorkerPool(world_size={self.world_size}, {state}, starts={self.starts}, "
+            f"jobs={self.jobs})"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -845,11 +871,12 @@ def assert_close_all(actual: Any, expected: Any, rtol: float, atol: float, *,
         rel = err / e64.abs()
         rel = torch.where(e64 == 0, torch.where(err == 0, 0.0, float("inf")), rel)
         idx = int(err.reshape(-1).argmax())
-        pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), a.shape)) if a.dim() else ()
+        pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), a.shape))
         bad = int((~close).sum())
         problems.append(
             f"'{name}': max abs err {float(err.max()):.3g} at {pos} "
-            f"(actual {a64.reshape(-1)[idx].item():.9g}, expected {e64.reshape(-1)[idx].item():.9g}), "
+            f"(actual {a64.reshape(-1)[idx].item():.9g}, "
+            f"expected {e64.reshape(-1)[idx].item():.9g}), "
             f"max rel err {float(rel.max()):.3g}; {bad}/{a.numel()} elements outside "
             f"rtol={rtol:g}, atol={atol:g}"
         )
