@@ -272,7 +272,7 @@ MODELS: dict[str, ModelSpec] = {
             SimpleMLP,
             _mlp_batch,
             _sum_loss,
-            batch=8192,
+            batch=65536,
             blocks=(nn.Linear,),
         ),
         ModelSpec(

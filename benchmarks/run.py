@@ -99,6 +99,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="seconds before a job's collectives time out and it is reported as error "
         "(default: 600)",
     )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="after measuring, profile 3 more steps per job with torch.profiler and write rank "
+        "0's op table to DIR/MODEL_MODE.txt (figures are unaffected)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.world_size < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --world-size >= 1")
@@ -135,7 +142,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     for mode_name in args.modes:
         mode = modes[mode_name]
         job = Job(name, mode_name, args.world_size, batch, args.warmup, args.steps, args.seed,
-                  args.timeout)
+                  args.timeout, args.profile)
         record = summarize(mode, launch(job), mode.comm(spec, model), args.world_size)
         records.append(record)
         print(progress_line(name, record), flush=True)

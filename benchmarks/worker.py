@@ -27,7 +27,11 @@ from .modes import NotAvailable, full_params, get_mode, persistent_bytes
 
 @dataclass(frozen=True)
 class Job:
-    """One (model, mode) measurement. ``batch`` is the per-rank batch size."""
+    """One (model, mode) measurement. ``batch`` is the per-rank batch size.
+
+    With ``profile_dir``, three more steps run after everything is measured, under
+    torch.profiler, and rank 0 writes the op table to ``{profile_dir}/{model}_{mode}.txt``.
+    """
 
     model: str
     mode: str
@@ -37,6 +41,7 @@ class Job:
     steps: int
     seed: int = 0
     timeout_s: float = 300.0
+    profile_dir: str | None = None
 
 
 def _max_rss_bytes() -> int:
@@ -48,19 +53,14 @@ def _unavailable(exc: BaseException) -> bool:
     return isinstance(exc, (NotAvailable, NotImplementedError, ImportError)) or "SPMDError" in names
 
 
-def _batches(job: Job, rank: int):
-    """Different data on every rank and step, identical across modes."""
-    spec = MODELS[job.model]
-    out = []
-    for i in range(1 + job.warmup + job.steps):
-        gen = torch.Generator().manual_seed(job.seed * 1_000_003 + rank * 10_007 + i)
-        out.append(spec.make_batch(gen, job.batch))
-    return out
+def _batch(job: Job, rank: int, step: int):
+    """Different data on every rank and step, identical across modes; made outside the timing."""
+    gen = torch.Generator().manual_seed(job.seed * 1_000_003 + rank * 10_007 + step)
+    return MODELS[job.model].make_batch(gen, job.batch)
 
 
 def _measure(job: Job, rank: int) -> dict:
     spec, mode = MODELS[job.model], get_mode(job.mode)
-    batches = _batches(job, rank)
     torch.manual_seed(job.seed)  # same initial parameters on every rank and in every mode
     runner = mode.prepare(spec, job.world_size)
 
@@ -73,16 +73,18 @@ def _measure(job: Job, rank: int) -> dict:
             compile_seconds += runner.compile_seconds() or 0.0
             compiles = count
 
+    batch = _batch(job, rank, 0)
     start = time.perf_counter()
-    runner.step(batches[0])
+    runner.step(batch)
     first_call = time.perf_counter() - start
     account_compiles()
-    for batch in batches[1 : 1 + job.warmup]:
-        runner.step(batch)
+    for i in range(1, 1 + job.warmup):
+        runner.step(_batch(job, rank, i))
         account_compiles()
     warm_compiles = compiles
     times = []
-    for batch in batches[1 + job.warmup :]:
+    for i in range(1 + job.warmup, 1 + job.warmup + job.steps):
+        batch = _batch(job, rank, i)
         start = time.perf_counter()
         loss = runner.step(batch)
         times.append(time.perf_counter() - start)
@@ -93,6 +95,9 @@ def _measure(job: Job, rank: int) -> dict:
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
     first = torch.tensor([first_call], dtype=torch.float64)
     dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    params = None if mode.reference else full_params(runner)
+    if job.profile_dir:
+        _profile(job, rank, runner, batch)
     return {
         "step_seconds": per_step.tolist(),
         "first_call_seconds": first.item(),
@@ -101,8 +106,21 @@ def _measure(job: Job, rank: int) -> dict:
         "compiles_while_timed": compiles - warm_compiles,
         "persistent_bytes": persistent_bytes(runner),
         "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else None,
-        "params": None if mode.reference else full_params(runner),
+        "params": params,
     }
+
+
+def _profile(job: Job, rank: int, runner, batch, steps: int = 3) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.step(batch)
+    if rank == 0:
+        path = Path(job.profile_dir) / f"{job.model}_{job.mode}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        path.write_text(f"{job.model} / {job.mode}: {steps} steps on rank 0\n{table}\n")
 
 
 def rank_main(rank: int, job: Job, port: int, out_dir: str) -> None:
