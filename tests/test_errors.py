@@ -25,6 +25,7 @@ from spmd_compiler.errors import (
     TraceError,
 )
 from tests.models import SimpleMLP, train_step
+from tests.test_replicate import ATOL, RTOL
 
 
 @pytest.fixture
@@ -198,7 +199,7 @@ def test_frozen_parameter_is_not_an_error(pg1):
     expected = (model(batch[0]) - batch[1]).sum().detach()
     loss = compiled(model, opt, batch)
     assert compiled.compile_count == 1
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
 
 
 def test_batch_dims_disagree(pg1):
@@ -253,4 +254,4 @@ def test_compiled_step_usable_after_an_error(pg1):
     expected = (model(batch[0]) - batch[1]).sum().detach()
     loss = compiled(model, opt, batch)
     assert compiled.compile_count == 1
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)

@@ -9,8 +9,6 @@ they were.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import sympy
 import torch
@@ -230,8 +228,6 @@ def test_lr_is_a_placeholder_not_a_constant():
     model = SimpleMLP()
     codes = []
     for lr in (0.1, 0.25):
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        warmed_up(copy.deepcopy(model), opt)  # state keyed by the copy: not used below
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         tr = trace_step(train_step, (model, opt, batch()))
         (hp,) = [n for n in placeholders(tr.gm) if n.meta.get(meta.ROLE) == Role.HPARAM]
