@@ -1,9 +1,9 @@
 """Multi-rank test harness: persistent gloo worker pools on loopback.
 
 A :class:`WorkerPool` owns ``world_size`` worker processes. Each worker puts the repository root
-on ``sys.path``, calls ``torch.set_num_threads(1)``, joins a real
-gloo default process group (``torch.distributed.init_process_group("gloo", ...)``) and then serves
-jobs until the pool is closed. A job is a module-level function, sent by name
+on ``sys.path``, calls ``torch.set_num_threads(1)``, joins a real gloo default process group
+(``torch.distributed.init_process_group("gloo", ...)``) and then serves jobs until the pool is
+closed. A job is a module-level function, sent by name
 (``(fn.__module__, fn.__qualname__)``) together with picklable arguments; every rank runs
 ``fn(*args, **kwargs)`` and sends back the return value. The function reads its rank and the world
 size from ``torch.distributed`` itself::
@@ -30,18 +30,18 @@ Failure handling (``WorkerPool.run``):
 After any failure the worker processes are killed at once (ranks may be out of sync: one rank left
 a collective that the others are still in) and fresh ones are launched right away; the next
 ``run`` waits for them to join the process group, transparently. A job that destroyed the default
-process group also gets the pool restarted. A job that should check an
-expected exception must catch it inside the worker function and return something, so the pool
-stays up.
+process group also gets the pool restarted. A job that should check an expected exception must
+catch it inside the worker function and return something, so the pool stays up.
 
 Start method: "forkserver" by default, "spawn" with ``start_method="spawn"`` or the environment
-variable ``MULTIRANK_START_METHOD=spawn``. Both start workers from a clean single-threaded process,
-never by forking the test process itself. With spawn every worker imports torch (about 2 s of CPU
+variable ``MULTIRANK_START_METHOD=spawn``. Neither forks the test process itself (which may hold
+threads and locks): spawn starts fresh interpreters, the fork server is a fresh interpreter that
+has only imported the preload modules. With spawn every worker imports torch (about 2 s of CPU
 each, so a world-size-3 pool on 2 cores takes 3-5 s to start, and as long again after every
 failure); the fork server imports torch once per test session (``_FORKSERVER_PRELOAD``) and every
 later pool start or restart forks ready workers in well under a second. A side effect: workers
-see the environment variables of the moment the fork server started (the first pool start of
-the session), not later changes.
+see the environment variables of the moment the fork server started (right after collection
+under pytest, see tests/conftest.py, else the first pool start), not later changes.
 
 Loopback only: workers set ``GLOO_SOCKET_IFNAME=lo`` (unless it is already set) so gloo never
 picks the interface the host name resolves to.
