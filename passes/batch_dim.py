@@ -61,7 +61,7 @@ _BATCH_REDUCTIONS = frozenset({
     # reductions
     "sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "aminmax", "norm",
     "linalg_vector_norm", "var", "std", "var_mean", "std_mean", "prod", "logsumexp",
-    "count_nonzero", "all", "any",
+    "count_nonzero",
     # contractions
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "dot", "vdot", "mv", "addmv", "addr",
     "tensordot", "convolution_backward", "_convolution_double_backward",
@@ -88,6 +88,8 @@ _INDEX_RETURNING = frozenset({
 })
 # Scatter-style reductions given as index_put(..., accumulate): only accumulate=True is a sum.
 _ACCUMULATE = frozenset({"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"})
+# Advanced indexing (reads and writes) with a list of index tensors, one per indexed dim.
+_INDEXING = _ACCUMULATE | {"index", "_unsafe_index"}
 
 # Reshapes: the batch dim may be merged/split only with dims inside it (outer prefix unchanged).
 _RESHAPES = frozenset({
@@ -107,8 +109,9 @@ _IDENTITIES = frozenset({
 _MIXES_ALONG = {
     **dict.fromkeys(
         ["_softmax", "_log_softmax", "cumsum", "cumsum_", "cumprod", "logcumsumexp", "cummax",
-         "cummin", "sort", "topk", "gather", "scatter", "scatter_", "index_select", "index_fill",
-         "index_copy", "diff"], ("input", "dim")),
+         "cummin", "sort", "topk", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
+         "scatter_reduce", "scatter_reduce_", "index_select", "index_fill", "index_copy",
+         "index_add", "index_add_", "diff"], ("input", "dim")),
     "_softmax_backward_data": ("grad_output", "dim"),
     "_log_softmax_backward_data": ("grad_output", "dim"),
     "flip": ("input", "dims"),
@@ -225,8 +228,6 @@ class _Analysis:
         out = []
         for n in flat:
             p = self.current.get(n, self.env.get(n))
-            if isinstance(p, _Unusable):
-                raise BatchDimError(node, p.reason)
             if _is_tensor(n.meta.get("val")) and isinstance(p, Placement):
                 out.append((n.meta["val"], p))
         return out
@@ -244,7 +245,7 @@ class _Analysis:
             parent = self.env.get(node.args[0])
             p = parent[node.args[1]] if isinstance(parent, list) else None
             if isinstance(p, _Unusable):
-                _fail(node, p.reason)
+                _fail(node.args[0], p.reason)  # the op that produced the unusable output
             return p
         name = _op_name(node.target)
         val = node.meta.get("val")
@@ -390,7 +391,7 @@ class _Analysis:
             if self.is_batch_shard(v, p) and p.dim in [m % v.dim() for m in mixed]:
                 _fail(node, f"{name} along the batch dim depends on the positions of the samples "
                             "within one rank's batch")
-        if name == "index":
+        if name in _INDEXING:
             args = _arguments(node)
             v, p = args["input"].meta["val"], self.env[args["input"]]
             indices = args["indices"]

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import operator
+import pathlib
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from tabulate import tabulate
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from passes.batch_dim import BatchDimError, annotate_placements
-from passes.meta import PLACEMENT, ROLE, Role
+from passes.meta import PLACEMENT, REGION, ROLE, Role
 from spmd_compiler.tracing import trace_step
 
 aten = torch.ops.aten
@@ -316,8 +318,11 @@ def _raising_step(forward):
     (lambda h: h.cumsum(0), "cumsum", "positions of the samples"),
     (lambda h: h.softmax(0), "_softmax", "positions of the samples"),
     (lambda h: h + torch.arange(h.shape[0])[:, None], "arange", "local samples"),
+    (lambda h: h.flip(0), "flip", "positions of the samples"),
+    (lambda h: h + h.max(0).indices, "max", "positions along the batch"),
+    (lambda h: h + h.any(0), "any", "not a symmetric reduction"),
 ], ids=["flatten-batch-inner", "select", "slice", "outer", "cat", "repeat", "cumsum", "softmax",
-        "arange"])
+        "arange", "flip", "argmax-over-batch", "any-over-batch"])
 def test_unexplained_ops_raise_naming_op_and_source(forward, op, why):
     gm = _raising_step(forward)
     with pytest.raises(BatchDimError, match=why) as info:
@@ -326,6 +331,22 @@ def test_unexplained_ops_raise_naming_op_and_source(forward, op, why):
     assert f"aten.{op}." in err.op and err.op in str(err)
     assert "test_batch_dim.py" in (err.stack_trace or "")  # the user's source line
     assert all(PLACEMENT not in n.meta for n in gm.graph.nodes)  # nothing half-annotated
+
+
+def test_nonlinear_reductions_over_batch_are_rank_local_partials():
+    # (max over the batch with a gradient raises: its backward scatters by local sample position)
+    gm = _raising_step(lambda h: h.amax(0) + h.detach().max(0).values + h.var(0) + h.norm()
+                       + torch.zeros(3, 8).index_put([torch.zeros(h.shape[0], dtype=torch.long)],
+                                                     h, accumulate=True).sum(0))
+    annotate_placements(gm)
+    for op in (aten.amax.default, aten.max.dim, aten.var.correction, aten.linalg_vector_norm.default,
+               aten.index_put.default):
+        (node,) = calls(gm, op)
+        p = placement(node)
+        assert (p[0] if isinstance(p, list) else p) == AVG, node
+    (max_dim,) = calls(gm, aten.max.dim)
+    assert placement(max_dim) == [AVG, None]  # the indices output has no placement
+    assert check_roles(gm) == 2
 
 
 def test_functional_collectives_after_expansion():
@@ -512,3 +533,43 @@ def test_random_view_chains_match_eager_sharding(data):
     out = gm.graph.output_node().args[0][0]
     assert placement(out) == Shard(d) and concat_ok
     check_roles(gm)
+
+
+# -- the placement table in docs/batch_dim.md ------------------------------------------------
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "batch_dim.md"
+TABLE_BEGIN, TABLE_END = "<!-- seed-table-begin -->", "<!-- seed-table-end -->"
+
+
+def seed_placement_table() -> str:
+    """Every node of the seed's batch-dim model step (SGD, batch 16) with its placement."""
+    torch.manual_seed(0)
+    model = BatchDimModel()
+    gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   (torch.randn(16, 50), torch.randn(16, 8)))
+    rows = []
+    for n in gm.graph.nodes:
+        p = n.meta.get(PLACEMENT)
+        if p is None:
+            continue
+        val = n.meta["val"]
+        shape = "[" + ", ".join(str(s) for s in val.shape) + "]" if isinstance(val, torch.Tensor) \
+            else "list"
+        target = n.target if n.op == "call_function" else n.op
+        region = n.meta.get(REGION)
+        role = n.meta.get(ROLE)
+        rows.append([n.name, str(target).removeprefix("aten."), shape, str(p),
+                     (region.value if region else "") + (f" ({role.value})" if role else "")])
+    return tabulate(rows, headers=["node", "op", "shape", "placement", "region (role)"],
+                    tablefmt="github")
+
+
+def test_doc_table_is_generated_from_the_code():
+    text = DOC.read_text()
+    doc_table = text.split(TABLE_BEGIN)[1].split(TABLE_END)[0].strip()
+    assert doc_table == seed_placement_table(), (
+        "docs/batch_dim.md is stale: regenerate with `python -m tests.test_batch_dim`")
+
+
+if __name__ == "__main__":
+    print(seed_placement_table())
