@@ -110,7 +110,14 @@ class CompiledStep:
         stage("traced", traced.gm, t)
 
         t = time.perf_counter()
-        analyze(traced.gm)
+        # A batch of one specializes the batch size to the constant 1, leaving no symbol to
+        # propagate; the collectives come from the gradient roles, so the step is still right.
+        single = any(sa.leaves[i].shape[d] == 1 for i, d in zip(sa.input_indices, sa.batch_dims)
+                     if d is not None)
+        if single:
+            _info("spmd_compiler: local batch of one: placements not analyzed for this graph")
+        else:
+            analyze(traced.gm)
         stage("analyzed", traced.gm, t)
 
         t = time.perf_counter()
@@ -127,7 +134,7 @@ class CompiledStep:
                 traced.gm, group_name=group.group_name, world_size=mesh.size(),
                 broadcast_buffers=mode.broadcast_buffers,
             )
-        if not fully_shard:
+        if not (fully_shard or single):
             analyze(gm)
         stage("expanded", gm, t)
 

@@ -171,11 +171,12 @@ def _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim) -> lis
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame in the user's code (not torch's, not ours)."""
-    roots = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    here = os.path.dirname(__file__)
+    roots = (os.path.dirname(torch.__file__), here,
+             os.path.join(os.path.dirname(here), "passes"), os.path.dirname(contextlib.__file__))
     frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith(roots) and "contextlib" not in f.filename
+        f for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(roots) and not f.filename.startswith("<")
     ]
     if not frames:
         return "<unknown location>"
@@ -351,7 +352,8 @@ def trace_step(
         fake_of = {id(p): fp for p, fp in zip(unique_params, params)}
         fqn_of_fake = {id(fp): fqn_of[id(p)] for p, fp in zip(unique_params, params)}
         by_name = {n: fake_of[id(p)] for n, p in named_params}
-        by_name.update({n: buffers[unique_buffers.index(b)] for n, b in named_buffers})
+        buffer_of = {id(b): fb for b, fb in zip(unique_buffers, buffers)}
+        by_name.update({n: buffer_of[id(b)] for n, b in named_buffers})
         state_by_key = dict(zip(state_keys, states))
         with _reparametrize_module(module, by_name, strict=False), _tag_regions(), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of
