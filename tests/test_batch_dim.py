@@ -215,13 +215,17 @@ def test_transformer_block_flattens_batch_and_seq():
     (buf,) = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.BUFFER]
     assert placement(buf) == R
     assert check_roles(gm) == len(list(model.parameters()))
+    # exp_avg_sq is created as zeros (Replicate) and then written in place from the gradients:
+    # its later reader sees what was written
+    (sqrt,) = calls(gm, aten._foreach_sqrt.default)
+    assert placement(sqrt) == [AVG] * len(list(model.parameters()))
 
 
 class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4, track_running_stats=False)
+        self.bn = nn.BatchNorm2d(4)
         self.fc = nn.Linear(4 * 4 * 4, 10)
 
     def forward(self, x):
@@ -254,7 +258,7 @@ def test_conv_net_with_batch_norm_and_flatten():
     (conv_bwd,) = calls(gm, aten.convolution_backward.default)
     grad_in, grad_w, grad_b = placement(conv_bwd)
     assert grad_in in (Shard(0), None) and grad_w == grad_b == AVG
-    assert check_roles(gm) == len(list(model.parameters()))
+    assert check_roles(gm) == len(list(model.parameters()))  # buffers Replicate too
 
 
 def test_unbatched_extra_input_is_replicate():
