@@ -27,7 +27,8 @@ class Runner:
 
     ``module``/``optim`` are None for modes that hold no training state (``comm``).
     ``compile_seconds``/``compiles`` return the compiler's own figures (time of the latest
-    compile, number of compiles so far), when it reports them.
+    compile, number of compiles so far), ``collectives`` the collectives in its compiled graph,
+    when it reports them.
     """
 
     step: Callable[[Batch], Any]
@@ -35,6 +36,7 @@ class Runner:
     optim: torch.optim.Optimizer | None = None
     compile_seconds: Callable[[], float | None] = lambda: None
     compiles: Callable[[], int | None] = lambda: None
+    collectives: Callable[[], dict | None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ def _spmd_prepare(style: str, backend: str) -> Callable[[ModelSpec, int], Runner
             optim,
             lambda: _compile_seconds(step),
             lambda: getattr(step, "compile_count", None),
+            lambda: _graph_collectives(step),
         )
 
     return prepare
@@ -163,6 +166,22 @@ def _compile_seconds(step) -> float | None:
         if isinstance(value, (int, float)):
             return float(value)
     return None
+
+
+def _graph_collectives(step) -> dict[str, dict[str, int]] | None:
+    """Collectives one call of the latest compiled graph issues: {kind: {count, bytes}}."""
+    try:
+        from spmd_compiler.visualize import collective_bytes, collective_kind, collective_nodes
+
+        gm = step.last_compiled.traced.gm
+    except (ImportError, AttributeError):
+        return None
+    out: dict[str, dict[str, int]] = {}
+    for node in collective_nodes(gm):
+        entry = out.setdefault(collective_kind(node), {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += collective_bytes(node)[0]
+    return out
 
 
 def spmd_backends() -> tuple[str, ...]:

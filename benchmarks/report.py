@@ -149,6 +149,23 @@ def chart(results: dict, path: Path) -> str | None:
     return None
 
 
+def collectives_table(results: dict) -> list[str]:
+    """Counted from the compiled graph, next to the analytic payload used for comm/step."""
+    body = []
+    for model in results["models"]:
+        for r in model["results"]:
+            for kind, c in sorted((r.get("graph_collectives") or {}).items()):
+                analytic = r["comm_bytes_per_step"].get(kind)
+                body.append(
+                    [model["name"], r["mode"], kind, c["count"], _size(c["bytes"]),
+                     "-" if analytic is None else _size(analytic)]
+                )
+    if not body:
+        return ["No spmd mode ran."]
+    headers = ["model", "mode", "collective", "count", "bytes (graph)", "bytes (analytic)"]
+    return [tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)]
+
+
 def slower(results: dict) -> list[str]:
     """Bullets for every spmd mode whose median is above DDP's (or FSDP2's, when sharded)."""
     out = []
@@ -204,6 +221,9 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
                  disable_numparse=True),
         "",
     ]
+    lines += ["## Collectives in the compiled spmd graphs (per step)", ""] + collectives_table(
+        results
+    ) + [""]
     if chart_rel:
         lines += [f"![step time per mode]({chart_rel})", ""]
     if chart_note:

@@ -62,6 +62,7 @@ def summarize(mode: Mode, ranks: list[dict], comm: dict[str, int], world_size: i
         compile_s=r0["compile_seconds"],
         compiles=r0["compiles"],
         compiles_while_timed=r0["compiles_while_timed"],
+        graph_collectives=r0["graph_collectives"],
         persistent_bytes_per_rank=[
             None if r["persistent_bytes"] is None else r["persistent_bytes"]["total"] for r in ranks
         ],

@@ -104,6 +104,7 @@ def _measure(job: Job, rank: int) -> dict:
         "compile_seconds": compile_seconds if runner.compiles() is not None else None,
         "compiles": runner.compiles(),
         "compiles_while_timed": compiles - warm_compiles,
+        "graph_collectives": runner.collectives(),
         "persistent_bytes": persistent_bytes(runner),
         "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else None,
         "params": params,
