@@ -29,6 +29,7 @@ from passes.meta import BUCKET, COLLECTIVE, INPUT_PATH, PARAM_FQN, PLACEMENT, RE
 log = logging.getLogger("spmd_compiler")
 
 DEFAULT_MAX_NODES = 400
+_SCALAR_REACH = 8  # a symbolic scalar read more than this many nodes later is drawn again there
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 _FONT = "Helvetica"
 
@@ -298,7 +299,7 @@ def _node_label(node: fx.Node, role: str, sizer: _Sizer) -> str:
         lines = [name if name.startswith(op) or role == "wait" else f"{name}\n{op}"]
         if role == "grad":
             lines.append(f"grad {node.meta.get(PARAM_FQN, '')}")
-    if PLACEMENT in node.meta:
+    if node.meta.get(PLACEMENT) is not None:
         lines.append(placement_str(node.meta[PLACEMENT]))
     return "\n".join(lines)
 
@@ -341,7 +342,8 @@ def _add_legend(g: graphviz.Digraph, roles: Iterable[str], per_row: int = 6) -> 
 def _new_digraph(title: str) -> graphviz.Digraph:
     g = graphviz.Digraph(strict=False)
     g.attr(rankdir="TB", newrank="true", nodesep="0.25", ranksep="0.4", fontname=_FONT,
-           label=title, labelloc="t", fontsize="14", compound="true")
+           label=title, labelloc="t", fontsize="14", compound="true",
+           nslimit="1", nslimit1="1")  # bound network-simplex passes: big graphs lay out in seconds
     g.attr("node", fontname=_FONT, fontsize="10", margin="0.08,0.03", height="0.3")
     g.attr("edge", fontname=_FONT, fontsize="8", fontcolor="#525252", color="#737373",
            arrowsize="0.6")
@@ -352,8 +354,10 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
                  size_hints: Mapping[str, int] | None = None) -> graphviz.Digraph:
     """The full view: every node (up to ``max_nodes``), in region and bucket clusters.
 
-    A placeholder read after the forward region (state the optimizer updates) is drawn again as a
-    dashed copy inside that region, so the update does not pull an edge across the whole graph.
+    A value read in another region than its own (state the optimizer updates, activations the
+    backward reads) is drawn again as a dashed copy inside the reading region, and a symbolic
+    scalar read far from where it is made gets a copy next to its reader. Long edges would
+    otherwise cross the whole graph and make Graphviz's layout slow (virtual node chains).
     """
     nodes = list(gm.graph.nodes)
     shown = nodes[:max_nodes]
@@ -366,22 +370,29 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
     n_coll = sum(r == "collective" for r in roles.values())
     g = _new_digraph(f"{title}\n{len(nodes)} nodes, {n_coll} collectives" if title else "")
 
-    copies: dict[tuple[fx.Node, str], str] = {}  # (placeholder, region) -> copy's DOT name
+    pos = {n: i for i, n in enumerate(nodes)}
+    copies: dict[tuple[fx.Node, fx.Node], tuple[str, str]] = {}  # (src, dst) -> (copy, region)
     for n in shown:
         for inp in n.all_input_nodes:
-            if inp.op == "placeholder" and regions[n] not in (None, "forward"):
-                copies[(inp, regions[n])] = f"{inp.name}__{regions[n]}"
+            region, src_region = regions[n], regions[inp]
+            if region is None or n.op == "output" or inp.op == "placeholder" and region == "forward":
+                continue
+            if src_region != region:
+                copies[(inp, n)] = (f"{inp.name}__{region}", region)
+            elif roles[inp] == "scalar" and pos[n] - pos[inp] > _SCALAR_REACH:
+                copies[(inp, n)] = (f"{inp.name}__{n.name}", region)
     # cluster key -> nodes; a node sits in its region's cluster and, inside it, its bucket's.
     groups: dict[tuple[str | None, int | None], list[fx.Node]] = defaultdict(list)
     for n in shown:
         groups[(regions[n], buckets.get(n))].append(n)
     for region in dict.fromkeys(r for r, _ in groups):
         with _cluster(g, region, **_region_attrs(region)) as rg:
-            for (ph, r), name in copies.items():
+            drawn = {name_region: src for (src, _), name_region in copies.items()}
+            for (name, r), src in drawn.items():
                 if r == region:
-                    attrs = _node_attrs(ph, roles[ph])
-                    attrs.update(style="dashed,filled", penwidth="1", **{"class": "copy"})
-                    rg.node(name, _node_label(ph, roles[ph], sizer).split("\n")[0], **attrs)
+                    text = _node_label(src, roles[src], sizer).split("\n")[0]
+                    rg.node(name, text if src.op == "placeholder" else src.name,
+                            **_copy_attrs(src, roles[src]))
             for (r, b), members in groups.items():
                 if r != region:
                     continue
@@ -390,17 +401,20 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
                               fillcolor="#fff5f0", color="#cb181d", fontsize="10") as bg:
                     for n in members:
                         bg.node(n.name, _node_label(n, roles[n], sizer), **_node_attrs(n, roles[n]))
-    for rank, op in (("source", "placeholder"), ("sink", "output")):
-        with g.subgraph() as sub:  # inputs on the top rank, the output at the bottom
-            sub.attr(rank=rank)
-            for n in shown:
-                if n.op == op:
-                    sub.node(n.name)
+    order = [[n for n in shown if regions[n] == r and n.op != "placeholder"]
+             for r in dict.fromkeys(regions[n] for n in shown if regions[n])]
+    for above, below in zip(order, order[1:]):  # regions stacked in step order
+        g.edge(above[-1].name, below[0].name, style="invis")
+    with g.subgraph() as sub:  # the output at the bottom; placeholders sit next to their use
+        sub.attr(rank="sink")
+        for n in shown:
+            if n.op == "output":
+                sub.node(n.name)
     for n in shown:
         for inp in n.all_input_nodes:
             if inp in shown_set:
                 light = dict(color="#bdbdbd", fontcolor="#969696") if n.op == "output" else {}
-                g.edge(copies.get((inp, regions[n]), inp.name), n.name,
+                g.edge(copies.get((inp, n), (inp.name,))[0], n.name,
                        label=shape_str(inp.meta.get("val")), **light)
     if len(nodes) > max_nodes:
         g.node("capped", f"capped: showing the first {max_nodes} of {len(nodes)} nodes\n"
@@ -408,6 +422,13 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
                shape="note", style="filled", fillcolor="#fee0d2", color="#cb181d", fontsize="12")
     _add_legend(g, [r for r in ROLE_STYLES if r in set(roles.values())])
     return g
+
+
+def _copy_attrs(src: fx.Node, role: str) -> dict[str, str]:
+    attrs = _node_attrs(src, role)
+    style = "dashed" if role == "scalar" else "dashed,filled"
+    attrs.update(style=style, penwidth="1", **{"class": "copy"})
+    return attrs
 
 
 @contextmanager
@@ -434,36 +455,74 @@ _PLACEHOLDER_GROUPS = {
 }
 
 
-def _group(node: fx.Node, role: str, bucket: int | None, region: str | None) -> tuple[str, str]:
+def _module_prefix(fqn: str) -> str:
+    """The top of a parameter's module path: up to the first numeric part (``blocks.0``), else
+    the first part (``net1``)."""
+    parts = fqn.split(".")[:-1]
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if parts else ""
+
+
+def _modules(gm: fx.GraphModule, regions: Mapping[fx.Node, str | None]) -> dict[fx.Node, tuple[str, str]]:
+    """Module (path, class, pass) per node: recorded ``nn_module_stack`` for the forward; for a
+    backward node without one, the module of the latest forward node it reads, else of the latest
+    backward input that has one (autograd runs a module's backward on the module's saved tensors).
+    """
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out: dict[fx.Node, tuple[str, str, str]] = {}
+    for n in gm.graph.nodes:
+        mod = _module_path(n)
+        if mod is not None:
+            out[n] = (*mod, "")
+        elif regions[n] == "backward" and n.op == "call_function":
+            inputs = sorted((a for a in n.all_input_nodes if a in out), key=pos.get, reverse=True)
+            fwd = [a for a in inputs if regions[a] == "forward"]
+            src = (fwd or inputs or [None])[0]
+            if src is not None:
+                out[n] = (*out[src][:2], "backward")
+    return out
+
+
+def _group(node: fx.Node, role: str, bucket: int | None, region: str | None,
+           module: tuple[str, str, str] | None) -> tuple[str, str]:
     """(group id, group title) of a node in the collapsed view."""
     if node.op == "placeholder":
-        return f"ph_{role}", _PLACEHOLDER_GROUPS[role]
+        fqn = node.meta.get(PARAM_FQN)
+        prefix = _module_prefix(fqn) if fqn and role in ("param", "buffer", "opt_state") else ""
+        return f"ph_{role}_{prefix}", f"{_PLACEHOLDER_GROUPS[role]} {prefix}".strip()
     if node.op == "output":
         return "output", "output"
     if role in ("collective", "wait"):
         if bucket is not None:
             return f"bucket_{bucket}", f"bucket {bucket}"
         anchor = node if role == "collective" else node.args[0]
-        return f"coll_{anchor.name}", collective_kind(anchor)
-    mod = _module_path(node)
-    if mod is not None:
-        path, type_name = mod
-        return f"mod_{path}", f"{path or '(root)'} · {type_name}"
+        kind = collective_kind(anchor)
+        params = (anchor.meta.get(COLLECTIVE) or {}).get("params") or [""]
+        prefix = _module_prefix(params[0])
+        return f"coll_{kind}_{region}_{prefix}", prefix or "collectives"
+    if module is not None:
+        path, type_name, pass_ = module
+        gid = f"mod_{path}_{pass_}" if pass_ else f"mod_{path}"
+        return gid, f"{path or '(root)'} · {type_name} {pass_}".strip()
     return f"region_{region}", f"{region or 'other'} (no module)"
 
 
 def collapsed_to_dot(gm: fx.GraphModule, title: str = "", *,
                      size_hints: Mapping[str, int] | None = None) -> graphviz.Digraph:
-    """The collapsed view: one box per module path (else per region), collectives per bucket."""
+    """The collapsed view: one box per module path (forward, and backward where it can be told),
+    else per region; state per top-level module; collectives per bucket, else per module."""
     sizer = _Sizer(size_hints)
     saved = _saved_activations(gm)
     regions = _assign_regions(gm)
     buckets = _buckets(gm)
+    modules = _modules(gm, regions)
     member_of: dict[fx.Node, str] = {}
     groups: dict[str, dict[str, Any]] = {}
     for n in gm.graph.nodes:
         role = _role(n, saved)
-        gid, gtitle = _group(n, role, buckets.get(n), regions[n])
+        gid, gtitle = _group(n, role, buckets.get(n), regions[n], modules.get(n))
         grp = groups.setdefault(gid, dict(title=gtitle, nodes=[], roles=Counter(), regions=Counter()))
         grp["nodes"].append(n)
         grp["roles"][role] += 1
