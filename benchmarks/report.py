@@ -95,6 +95,28 @@ def table(results: dict, fmt: str = "simple") -> str:
     return tabulate(rows(results), headers=HEADERS, tablefmt=fmt, disable_numparse=True)
 
 
+def ratio_table(results: dict, fmt: str = "simple") -> str:
+    """Models x modes: median step time over DDP's, and over the lower bound in parentheses."""
+    modes = list(dict.fromkeys(r["mode"] for m in results["models"] for r in m["results"]))
+    body = []
+    for model in results["models"]:
+        by_mode = {r["mode"]: r for r in model["results"]}
+        row = [model["name"]]
+        for mode in modes:
+            r = by_mode.get(mode)
+            if r is None:
+                row.append("")
+            elif r["status"] != "ok":
+                row.append(r["status"])
+            else:
+                row.append(
+                    f"{_fmt(r['ratio_to_ddp'], '.2f')} ({_fmt(r['ratio_to_lower_bound'], '.2f')})"
+                )
+        body.append(row)
+    return tabulate(body, headers=["x DDP (x lower bound)", *modes], tablefmt=fmt,
+                    disable_numparse=True)
+
+
 def progress_line(model: str, record: dict) -> str:
     """One line per finished (model, mode) job."""
     if record["status"] != "ok":
@@ -215,6 +237,13 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
             tablefmt="github",
         ),
         "",
+        "## Ratios",
+        "",
+        "Median step time over eager DDP's, and over the lower bound max(compute, comm) in "
+        "parentheses.",
+        "",
+        ratio_table(results, "github"),
+        "",
         "## Results",
         "",
         tabulate(rows(results, reason_width=None), headers=HEADERS, tablefmt="github",
@@ -278,6 +307,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     results = json.loads(Path(args.json).read_text())
     print(table(results))
+    print()
+    print(ratio_table(results))
     note = write_docs(results, Path(args.md), Path(args.png))
     if note:
         print(note)

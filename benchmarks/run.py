@@ -20,7 +20,7 @@ import torch
 
 from .models import MODELS, param_count
 from .modes import all_modes
-from .report import progress_line, table, write_docs
+from .report import progress_line, ratio_table, table, write_docs
 from .results import add_comparisons, summarize
 from .worker import Job, launch
 
@@ -44,11 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m benchmarks.run",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="models: "
-        + "; ".join(f"{k} = {v.description}" for k, v in MODELS.items())
-        + ".  modes: "
-        + "; ".join(f"{k} = {v.description}" for k, v in modes.items())
-        + ".",
+        epilog="models:\n"
+        + "".join(f"  {k:<18} {v.description}\n" for k, v in MODELS.items())
+        + "modes:\n"
+        + "".join(f"  {k:<18} {v.description}\n" for k, v in modes.items()),
     )
     parser.add_argument(
         "--models",
@@ -182,6 +181,8 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(results, indent=1) + "\n")
     print()
     print(table(results))
+    print()
+    print(ratio_table(results))
     print(f"\nresults: {out}")
     if not args.no_docs:
         note = write_docs(results, Path(args.md), Path(args.png))
