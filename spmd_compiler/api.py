@@ -24,6 +24,7 @@ from passes.replicate import expand_replicate
 
 from .errors import BatchDimError, NoProcessGroupError, SPMDError
 from .parallel_mode import DataParallel
+from .consistency import agree_on_compile, agree_on_program, describe_program
 from .runtime import CompiledGraph, default_mesh, module_device, place_state
 from .tracing import LIFTED_HPARAMS, StepArgs, split_step_args, trace_step
 
@@ -48,7 +49,8 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, parallel_mode: DataParallel, *, backend: str = "eager",
                  dump_dir: str | None = None,
-                 gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None):
+                 gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
+                 check_ranks: bool = True):
         if not isinstance(parallel_mode, DataParallel):
             raise SPMDError(
                 f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
@@ -61,6 +63,7 @@ class CompiledStep:
         self.backend = backend
         self.dump_dir = dump_dir or os.environ.get("SPMD_DUMP_DIR") or None
         self.gm_transformation = gm_transformation
+        self.check_ranks = check_ranks
         self._cache: dict[tuple, list[CompiledGraph]] = {}
         self._last_key: tuple | None = None
         self.compile_count = 0
@@ -80,17 +83,54 @@ class CompiledStep:
         mesh = default_mesh(module_device(sa.module))
         key = step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
-        for entry in self._cache.get(key, ()):
-            if entry.guards_hold(inputs):
-                with torch.no_grad():
-                    return entry(sa, mesh)
-        entry = self._compile(sa, mesh, key)
+        entry = next((e for e in self._cache.get(key, ()) if e.guards_hold(inputs)), None)
+        if self.check_ranks:
+            batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
+                          if d is not None), 0)
+            reason = "" if entry else (_why(self._last_key, key) if self._last_key else "first call")
+            agree_on_compile(entry is None, batch, reason, mesh.get_group())
+        if entry is None:
+            entry = self._compile(sa, mesh, key)
         with torch.no_grad():
             return entry(sa, mesh)
 
     # -- compiling ----------------------------------------------------------------------------
 
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
+        """Build the graph, check that every rank built the same, then place the live state."""
+        try:
+            gm, traced, guard_code, seconds = self._build(sa, mesh, key)
+            description = describe_program(gm, sa, guard_code)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
+            description = e
+        if self.check_ranks:
+            agree_on_program(description, mesh.get_group())
+        elif isinstance(description, Exception):
+            raise description
+        start = time.perf_counter()
+        # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
+        place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard")
+        key = step_key(sa)
+        entry = CompiledGraph(traced, gm, guard_code, key, seconds)
+        self._cache.setdefault(key, []).append(entry)
+        self._last_key = key
+        self.compile_count += 1
+        seconds["placed state"] = time.perf_counter() - start
+        self.last_compile_seconds = sum(seconds.values())
+        self.last_compiled = entry
+        if self.dump_dir:
+            from .visualize import write_summary
+
+            write_summary(entry_summary(entry), self.dump_dir)
+        _info(
+            "spmd_compiler: compiled %s (%s, %d nodes) in %.2fs",
+            self.__name__, self.parallel_mode.parallel_style, len(gm.graph.nodes),
+            self.last_compile_seconds,
+        )
+        return entry
+
+    def _build(self, sa: StepArgs, mesh, key: tuple):
+        """Trace, analyze, expand, optimize and lower the step; touches no live state."""
         if self._last_key is not None:
             _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
         fully_shard = self.parallel_mode.parallel_style == "fully_shard"
@@ -105,7 +145,7 @@ class CompiledStep:
                 dump_stage(gm, name, self.dump_dir, index=dump_index[0])
                 dump_index[0] += 1
 
-        start = t = time.perf_counter()
+        t = time.perf_counter()
         traced = trace_step(self.fn, (), {}, step_args=sa)
         stage("traced", traced.gm, t)
 
@@ -145,30 +185,10 @@ class CompiledStep:
         stage("optimized", gm, t)
 
         t = time.perf_counter()
-        runnable = gm  # backend "eager": the FX graph's generated Python
         guard_code = traced.shape_env.produce_guards_expression(traced.fake_inputs)
+        traced.gm = gm  # backend "eager": the FX graph's generated Python runs as is
         stage("lowered", gm, t)
-
-        # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
-        place_state(sa.module, sa.optimizers, mesh, fully_shard)
-        key = step_key(sa)
-        entry = CompiledGraph(traced, runnable, guard_code, key, seconds)
-        entry.traced.gm = gm
-        self._cache.setdefault(key, []).append(entry)
-        self._last_key = key
-        self.compile_count += 1
-        self.last_compile_seconds = time.perf_counter() - start
-        self.last_compiled = entry
-        if self.dump_dir:
-            from .visualize import write_summary
-
-            write_summary(entry_summary(entry), self.dump_dir)
-        _info(
-            "spmd_compiler: compiled %s (%s, %d nodes) in %.2fs",
-            self.__name__, self.parallel_mode.parallel_style, len(gm.graph.nodes),
-            self.last_compile_seconds,
-        )
-        return entry
+        return gm, traced, guard_code, seconds
 
 
 def analyze(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -246,7 +266,7 @@ def _why(old: tuple, new: tuple) -> str:
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
-                 dump_dir: str | None = None, gm_transformation=None):
+                 dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True):
     """Decorator: compile a single-device training step for data parallelism.
 
     Args:
@@ -254,12 +274,15 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
         backend: how the compiled graph runs: ``"eager"`` runs the FX graph's Python.
         dump_dir: write every stage's graph (and a summary) here; also ``SPMD_DUMP_DIR``.
         gm_transformation: an extra ``GraphModule -> GraphModule`` applied after the built-in passes.
+        check_ranks: verify that every rank compiles the same program (at compile time) and that
+            all ranks agree on when to recompile (one small all_gather per call). Turn off only
+            when inputs are known to agree across ranks; a disagreement then hangs or diverges.
     """
     mode = parallel_mode or DataParallel("replicate")
 
     def decorate(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
-                            gm_transformation=gm_transformation)
+                            gm_transformation=gm_transformation, check_ranks=check_ranks)
 
     return decorate
 

@@ -1,0 +1,124 @@
+"""Cross-rank agreement: every rank must run the same compiled program, or all of them raise.
+
+Ranks that disagree (another model, optimizer config, batch structure, a branch taken on one rank
+only, a batch size outside the guards on one rank) would otherwise enter mismatched collectives
+and hang or compute garbage. Two checks prevent that:
+
+- per call, ``agree_on_compile``: one small all_gather of (needs a compile?, local batch size);
+  if some ranks would recompile and others would not, every rank raises the same error;
+- per compile, ``agree_on_program``: ranks exchange a description of what they compiled (or the
+  error they hit) with ``all_gather_object``; any difference, or any rank's failure, raises on
+  every rank naming the ranks and the first difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from passes import meta
+
+from .errors import SPMDError
+from .tracing import StepArgs
+
+
+class RankMismatchError(SPMDError):
+    """Ranks disagree about the program they run (or one of them failed to compile it)."""
+
+
+def agree_on_compile(needs_compile: bool, batch_size: int, reason: str, group) -> None:
+    """All ranks must agree on whether this call compiles; raise the same error on all if not."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.tensor([int(needs_compile), batch_size], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    flags = [int(t[0]) for t in everyone]
+    if 0 < sum(flags) < world:
+        compiling = [r for r, f in enumerate(flags) if f]
+        sizes = ", ".join(f"rank {r}: {int(t[1])}" for r, t in enumerate(everyone))
+        raise RankMismatchError(
+            f"ranks {compiling} need to recompile this step and the others do not, so they would "
+            f"run different programs. Local batch sizes: {sizes}. This rank: "
+            f"{'recompile (' + reason + ')' if needs_compile else 'cached graph'}. Give every "
+            f"rank inputs of the same structure, dtype and shape class (e.g. drop or pad the "
+            f"last short batch on every rank alike, or use a batch of at least 2)."
+        )
+
+
+def describe_program(gm: fx.GraphModule, sa: StepArgs, guard_code: str | None) -> dict[str, Any]:
+    """What must be equal across ranks, by name, in the order a difference is reported."""
+    module = sa.module
+    optimizers = [
+        (type(opt).__name__, [
+            sorted((k, repr(v)) for k, v in g.items() if k != "params") + [("params", len(g["params"]))]
+            for g in opt.param_groups
+        ])
+        for opt in sa.optimizers
+    ]
+    inputs = [
+        (tuple(None if j == d else s for j, s in enumerate(sa.leaves[i].shape)), d,
+         str(sa.leaves[i].dtype), str(sa.leaves[i].device))
+        for i, d in zip(sa.input_indices, sa.batch_dims)
+    ]
+    constants = [
+        repr(x) for j, x in enumerate(sa.leaves)
+        if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
+    ]
+    collectives = [
+        (str(n.target), tuple(n.meta["val"].shape) if hasattr(n.meta.get("val"), "shape") else ())
+        for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
+    ]
+    return {
+        "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                       for n, p in module.named_parameters()],
+        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()],
+        "train/eval mode": [m.training for m in module.modules()],
+        "optimizer": optimizers,
+        "input structure": str(sa.spec),
+        "inputs": inputs,
+        "constants": constants,
+        "shape guards": guard_code,
+        "collective sequence": [(t, repr(shape)) for t, shape in collectives],
+        "graph": hashlib.sha1(gm.code.encode()).hexdigest(),
+    }
+
+
+def agree_on_program(description: dict[str, Any] | Exception, group) -> None:
+    """Exchange what each rank compiled (or its compile error); raise on every rank on mismatch."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        if isinstance(description, Exception):
+            raise description
+        return
+    mine = ("error", f"{type(description).__name__}: {description}") \
+        if isinstance(description, Exception) else ("ok", description)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    if isinstance(description, Exception):
+        raise description
+    failed = [(r, msg) for r, (status, msg) in enumerate(everyone) if status == "error"]
+    if failed:
+        details = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+        raise RankMismatchError(f"compiling the step failed on other ranks: {details}")
+    reference = everyone[0][1]
+    for r, (_, desc) in enumerate(everyone[1:], start=1):
+        for name, value in reference.items():
+            if desc.get(name) != value:
+                differing = [k for k, (_, d) in enumerate(everyone) if d.get(name) != value]
+                raise RankMismatchError(
+                    f"ranks disagree on the step's {name}: ranks {differing} differ from rank 0 "
+                    f"(rank 0: {_short(value)}; rank {differing[0]}: {_short(desc.get(name))}). "
+                    f"Every rank must run the same model, optimizer configuration and batch "
+                    f"structure, and take the same Python branches in the step."
+                )
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

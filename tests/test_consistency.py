@@ -1,0 +1,97 @@
+"""Cross-rank agreement: ranks that would run different programs all raise, none hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spmd_compiler import DataParallel, spmd_compile
+from spmd_compiler.consistency import RankMismatchError
+from tests.models import SimpleMLP, train_step
+
+
+def _batch(b: int):
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return torch.randn(b, 50, generator=g), torch.randn(b, 8, generator=g)
+
+
+def _outcome(fn):
+    """Run ``fn``; return ("ok", None) or (error type name, message) so the pool stays up."""
+    try:
+        fn()
+        return ("ok", None)
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return (type(e).__name__, str(e))
+
+
+def _different_model_on_rank1():
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    if dist.get_rank() == 1:
+        model.net2 = torch.nn.Linear(32, 8, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_compile(DataParallel("replicate"))(train_step)
+    return _outcome(lambda: step(model, opt, _batch(8)))
+
+
+def _different_optimizer_config_on_last_rank():
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    last = dist.get_rank() == dist.get_world_size() - 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5 if last else 0.9)
+    step = spmd_compile(DataParallel("fully_shard"))(train_step)
+    return _outcome(lambda: step(model, opt, _batch(8)))
+
+
+def _failing_compile_on_rank0():
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(model, optim, batch):
+        optim.zero_grad()
+        x, y = batch
+        loss = (model(x) - y).sum()
+        if dist.get_rank() == 0 and loss > 0:  # data-dependent branch on rank 0 only
+            loss = loss * 2
+        loss.backward()
+        optim.step()
+        return loss
+
+    step = spmd_compile(DataParallel("replicate"))(step_fn)
+    return _outcome(lambda: step(model, opt, _batch(8)))
+
+
+def _batch_outside_guards_on_rank1():
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_compile(DataParallel("replicate"))(train_step)
+    for b in (8, 8):  # compile the state-creating and the steady graph on every rank
+        step(model, opt, _batch(b))
+    # A batch of one falls outside the guards (it specializes the batch size): only rank 1.
+    return _outcome(lambda: step(model, opt, _batch(1 if dist.get_rank() == 1 else 8)))
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.parametrize("job, words", [
+    (_different_model_on_rank1, ["parameters", "ranks [1]"]),
+    (_different_optimizer_config_on_last_rank, ["optimizer"]),
+    (_batch_outside_guards_on_rank1, ["recompile", "rank 1: 1"]),
+])
+def test_mismatch_raises_on_every_rank(pool, job, words):
+    results = pool.run(job, timeout=120)
+    for rank, (kind, message) in enumerate(results):
+        assert kind == RankMismatchError.__name__, f"rank {rank}: {kind}: {message}"
+        for w in words:
+            assert w in message, f"rank {rank}: {w!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+def test_compile_error_on_one_rank_reaches_all(pool):
+    results = pool.run(_failing_compile_on_rank0, timeout=120)
+    assert results[0][0] == "TraceError", results[0]
+    for rank, (kind, message) in enumerate(results[1:], start=1):
+        assert kind == RankMismatchError.__name__, f"rank {rank}: {kind}: {message}"
+        assert "rank 0" in message and "TraceError" in message
