@@ -295,8 +295,7 @@ def _node_label(node: fx.Node, role: str, sizer: _Sizer) -> str:
         return "output"
     else:
         op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        name = "wait" if role == "wait" else node.name
-        lines = [name if name.startswith(op) or role == "wait" else f"{name}\n{op}"]
+        lines = [node.name if node.name.startswith(op) else f"{node.name}\n{op}"]
         if role == "grad":
             lines.append(f"grad {node.meta.get(PARAM_FQN, '')}")
     if node.meta.get(PLACEMENT) is not None:
@@ -465,21 +464,31 @@ def _module_prefix(fqn: str) -> str:
     return parts[0] if parts else ""
 
 
-def _modules(gm: fx.GraphModule, regions: Mapping[fx.Node, str | None]) -> dict[fx.Node, tuple[str, str]]:
-    """Module (path, class, pass) per node: recorded ``nn_module_stack`` for the forward; for a
-    backward node without one, the module of the latest forward node it reads, else of the latest
-    backward input that has one (autograd runs a module's backward on the module's saved tensors).
+def _modules(gm: fx.GraphModule, regions: Mapping[fx.Node, str | None]) -> dict[fx.Node, tuple[str, str, str]]:
+    """Module (path, class, pass) per node, for grouping only.
+
+    Forward: the recorded ``nn_module_stack``. A backward tensor op without one takes the module
+    that saved the latest forward value it reads: the last forward module reading that value
+    (a Linear saves its input, made by the module before it), else the value's own module. A
+    backward op reading no forward value takes the module of its latest backward input. Autograd
+    runs a module's backward on what that module saved, so this mirrors the forward's modules.
     """
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     out: dict[fx.Node, tuple[str, str, str]] = {}
+    saver: dict[fx.Node, fx.Node] = {}  # value -> last forward node with a module reading it
     for n in gm.graph.nodes:
         mod = _module_path(n)
         if mod is not None:
             out[n] = (*mod, "")
+            if regions[n] == "forward":
+                saver.update((a, n) for a in n.all_input_nodes)
         elif regions[n] == "backward" and n.op == "call_function":
-            inputs = sorted((a for a in n.all_input_nodes if a in out), key=pos.get, reverse=True)
-            fwd = [a for a in inputs if regions[a] == "forward"]
-            src = (fwd or inputs or [None])[0]
+            ins = n.all_input_nodes
+            saved = [a for a in ins if regions[a] == "forward"]
+            if _tensors(n.meta.get("val")):  # not for size reads such as sym_size(x)
+                saved += [a for a in ins if a.op == "placeholder"]
+            fwd = [m for m in (saver.get(a, a) for a in saved) if m in out]
+            src = max(fwd or [a for a in ins if a in out], key=pos.get, default=None)
             if src is not None:
                 out[n] = (*out[src][:2], "backward")
     return out

@@ -177,6 +177,34 @@ def test_collapsed_view_groups_by_module():
         assert not re.search(rf"^\s*{n.name} \[", text, re.M)
 
 
+def test_collapsed_view_attributes_backward_ops_to_modules():
+    model = SimpleMLP()
+
+    def fwd_bwd(params, x):
+        loss = torch.func.functional_call(model, params, (x,)).sum()
+        return torch.autograd.grad(loss, list(params.values()))
+
+    fwd_bwd._orig_mod = model
+    params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    gm = make_fx(fwd_bwd, record_module_stack=True)(params, torch.randn(4, 50))
+    region = Region.FORWARD
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta[REGION] = region
+            if n.target == torch.ops.aten.sum.default:  # the loss: what follows is backward
+                region = Region.BACKWARD
+    grads = {tuple(n.meta["val"].shape): n for n in gm.graph.output_node().args[0]}
+    modules = visualize._modules(gm, visualize._assign_regions(gm))
+    # each weight gradient is computed in its own Linear's backward, from that Linear's input
+    assert modules[grads[(32, 50)]][0] == "net1"
+    assert modules[grads[(8, 32)]][0] == "net2"
+    sig_bwd = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sigmoid_backward.default)
+    assert modules[sig_bwd][:1] == ("",) and modules[sig_bwd][2] == "backward"
+    text = visualize.collapsed_to_dot(gm, "x").source
+    for title in ("net1 · Linear backward", "net2 · Linear backward", "relu · ReLU backward"):
+        assert title in text
+
+
 def test_collapsed_view_without_module_stack_groups_by_region(expanded):
     _, gm, _, _ = expanded
     text = visualize.collapsed_to_dot(gm, "x").source
