@@ -27,7 +27,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Sequence
+from typing import Any
 
 import sympy
 import torch
@@ -184,15 +184,14 @@ class _Analysis:
         d = node.meta[INPUT_BATCH_DIM]
         val = node.meta["val"]
         if not -val.dim() <= d < val.dim():
-            raise BatchDimError(node, f"input batch dim {d} out of range for shape {tuple(val.shape)}")
+            _fail(node, f"input batch dim {d} out of range for shape {tuple(val.shape)}")
         size = val.shape[d]
         if not isinstance(size, torch.SymInt):
-            raise BatchDimError(
-                node, f"the input's batch dim {d} has static size {size}; it must be traced as a "
-                "dynamic size (a batch of size 0 or 1 is specialized by the tracer)")
+            _fail(node, f"the input's batch dim {d} has static size {size}; it must be traced as a "
+                        "dynamic size (a batch of size 0 or 1 is specialized by the tracer)")
         syms = self._expr(size).free_symbols
         if not syms:
-            raise BatchDimError(node, f"the input's batch size was specialized to {self._expr(size)}")
+            _fail(node, f"the input's batch size was specialized to {self._expr(size)}")
         self.batch_syms |= syms
 
     @staticmethod
@@ -203,7 +202,9 @@ class _Analysis:
         return sympy.Integer(size)
 
     def _has_batch(self, size) -> bool:
-        return isinstance(size, torch.SymInt) and bool(self._expr(size).free_symbols & self.batch_syms)
+        if not isinstance(size, torch.SymInt):
+            return False
+        return bool(self._expr(size).free_symbols & self.batch_syms)
 
     def batch_dims(self, val: torch.Tensor) -> list[int]:
         return [i for i, s in enumerate(val.shape) if self._has_batch(s)]
@@ -239,8 +240,10 @@ class _Analysis:
             return self.placeholder(node)
         if node.op == "get_attr":
             return Replicate() if _is_tensor(node.meta.get("val")) else None
-        if node.op != "call_function":
+        if node.op == "output":
             return None
+        if node.op != "call_function":
+            _fail(node, f"a {node.op} node: only aten-level graphs (call_function) are analyzed")
         if node.target is operator.getitem:
             parent = self.env.get(node.args[0])
             p = parent[node.args[1]] if isinstance(parent, list) else None
@@ -293,10 +296,11 @@ class _Analysis:
                 continue
             if ins is None:
                 ins = self.inputs(node, self._value_args(node, name))
-            p = self.output(node, name, value.meta["val"], ins, None)
-            if isinstance(p, _Unusable):
-                _fail(node, p.reason)
-            self.current[value] = p
+            for written in value if isinstance(value, (list, tuple)) else [value]:
+                p = self.output(node, name, written.meta["val"], ins, None)
+                if isinstance(p, _Unusable):
+                    _fail(node, p.reason)
+                self.current[written] = p
 
     def _value_args(self, node: fx.Node, name: str):
         """The arguments whose values the result depends on."""
@@ -321,7 +325,8 @@ class _Analysis:
             _fail(node, f"{node.meta.get(ROLE)} placeholder of shape {tuple(val.shape)} has a "
                         "batch-sized dim but is not a batched input")
         stored = node.meta.get(PLACEMENT)
-        if isinstance(stored, Shard) and node.meta.get(ROLE) in (Role.PARAM, Role.BUFFER, Role.OPT_STATE):
+        stateful = node.meta.get(ROLE) in (Role.PARAM, Role.BUFFER, Role.OPT_STATE)
+        if isinstance(stored, Shard) and stateful:
             return stored  # a stored parameter/state shard (fully_shard expansion)
         return Replicate()
 
@@ -343,11 +348,13 @@ class _Analysis:
             d = dims[0]
             if not self._outermost_ok(out.shape[d]):
                 _fail(node, f"dim {d} of the result {tuple(out.shape)} has size "
-                            f"{self._expr(out.shape[d])}: not (batch size) x (a batch-free factor); "
+                            f"{self._expr(out.shape[d])}: not (batch size) x (a batch-free "
+                            "factor); "
                             "slicing, padding or concatenating along the batch dim is not covered")
             if any(isinstance(p, Shard) and not self.is_batch_shard(v, p) for v, p in ins):
                 _fail(node, "mixes batch-sharded data with parameter shards")
-            self.check_shard(node, name, out, d, [(v, p) for v, p in ins if self.is_batch_shard(v, p)])
+            batch_ins = [(v, p) for v, p in ins if self.is_batch_shard(v, p)]
+            self.check_shard(node, name, out, d, batch_ins)
             return Shard(d)
         batch_ins = [(v, p) for v, p in ins if self.is_batch_shard(v, p)]
         if batch_ins:
@@ -404,7 +411,10 @@ class _Analysis:
 
     @staticmethod
     def _elementwise(node, name) -> bool:
-        if name in _IDENTITIES or (name.startswith(("_foreach_", "_fused_")) and name != "_foreach_norm"):
+        if name in _IDENTITIES:
+            return True
+        if name.startswith(("_foreach_", "_fused_")):
+            return name != "_foreach_norm"
             return True
         return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
@@ -413,7 +423,8 @@ class _Analysis:
         if name not in _BATCH_REDUCTIONS:
             _fail(node, f"the result {tuple(out.shape)} has no batch dim but its input "
                         f"{tuple(v.shape)} is sharded along dim {p.dim}, and {name} is not a "
-                        "symmetric reduction over the batch (it selects, slices or indexes into it)")
+                        "symmetric reduction over the batch (it selects, slices or indexes into "
+                        "it)")
         if name in _ACCUMULATE and not _arguments(node)["accumulate"]:
             _fail(node, f"{name} without accumulate writes batch samples by position")
         if name in _INDEX_RETURNING and position == 1:
@@ -450,7 +461,10 @@ class _Analysis:
         others = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
         if name == "_foreach_copy_":
             lists = lists[1:]
-        outs = val if isinstance(val, (list, tuple)) and val else [x.meta["val"] for x in node.args[0]]
+        if isinstance(val, (list, tuple)) and val:
+            outs = val
+        else:  # a void in-place op: what it writes into its first list
+            outs = [x.meta["val"] for x in node.args[0]]
         result = []
         for i, out in enumerate(outs):
             ins = self.inputs(node, ([lst[i] for lst in lists], others))

@@ -115,7 +115,8 @@ def test_seed_batch_dim_model():
     (repeat,) = calls(gm, aten.repeat.default)
     assert placement(repeat.args[0]) == R and placement(repeat) == Shard(0)
     # the weight gradients contract over the batch
-    assert all(placement(mm) == AVG for mm in calls(gm, aten.mm.default) if not size_exprs(mm)[0] == b)
+    weight_grads = [mm for mm in calls(gm, aten.mm.default) if size_exprs(mm)[0] != b]
+    assert weight_grads and all(placement(mm) == AVG for mm in weight_grads)
     assert check_roles(gm) == 4
     loss = gm.graph.output_node().args[0][0]
     assert placement(loss) == AVG
@@ -343,8 +344,8 @@ def test_nonlinear_reductions_over_batch_are_rank_local_partials():
                        + torch.zeros(3, 8).index_put([torch.zeros(h.shape[0], dtype=torch.long)],
                                                      h, accumulate=True).sum(0))
     annotate_placements(gm)
-    for op in (aten.amax.default, aten.max.dim, aten.var.correction, aten.linalg_vector_norm.default,
-               aten.index_put.default):
+    for op in (aten.amax.default, aten.max.dim, aten.var.correction,
+               aten.linalg_vector_norm.default, aten.index_put.default):
         (node,) = calls(gm, op)
         p = placement(node)
         assert (p[0] if isinstance(p, list) else p) == AVG, node
@@ -376,7 +377,8 @@ def test_functional_collectives_after_expansion():
         assert placement(ar.args[0]) == AVG and placement(ar) == R
         (wait,) = [u for u in ar.users if u.target == c10d.wait_tensor.default]
         assert placement(wait) == R
-    optimizer_updates = [n for n in gm.graph.nodes if n.target in (aten.add_.Tensor, aten.mul_.Tensor)
+    optimizer_updates = [n for n in gm.graph.nodes
+                         if n.target in (aten.add_.Tensor, aten.mul_.Tensor)
                          and n.meta["val"].dim() > 0]
     assert optimizer_updates and all(placement(n) == R for n in optimizer_updates)
 
@@ -469,7 +471,8 @@ def _chain_ops(data):
             perm = data.draw(st.permutations(range(nd)))
             apply(lambda x, p=tuple(perm): x.permute(p).contiguous())
         elif kind == "transpose" and nd > 1:
-            d0, d1 = data.draw(st.lists(st.integers(0, nd - 1), min_size=2, max_size=2, unique=True))
+            d0, d1 = data.draw(
+                st.lists(st.integers(0, nd - 1), min_size=2, max_size=2, unique=True))
             apply(lambda x, a=d0, b=d1: x.transpose(a, b))
         elif kind == "t" and nd == 2:
             apply(lambda x: x.t())
