@@ -336,6 +336,9 @@ def caching_job() -> dict:
             i = step_no[0]
             step_no[0] += 1
             x, y = rank_data(500 + i, (b, 50), (b, 8), dtype=dtype)
+            if kind == "views":  # both inputs are column slices of one (b, 58) tensor
+                data = torch.cat([x, y], dim=1)
+                x, y = data[:, :50], data[:, 50:]
             batch = {"x": x, "y": y} if kind == "dict" else (x, y)
             before = len(handler.messages)
             loss = compiled(model, opt, deepcopy(batch))
@@ -349,6 +352,8 @@ def caching_job() -> dict:
         call("same again, smaller batch", model_a, sgd_a, ddp_a, ddp_sgd_a, b=7)
         call("batch of one", model_a, sgd_a, ddp_a, ddp_sgd_a, b=1)
         call("batch of one again", model_a, sgd_a, ddp_a, ddp_sgd_a, b=1)
+        call("inputs are views of one tensor", model_a, sgd_a, ddp_a, ddp_sgd_a, kind="views")
+        call("inputs are views again", model_a, sgd_a, ddp_a, ddp_sgd_a, kind="views")
         call("dict batch", model_a, sgd_a, ddp_a, ddp_sgd_a, kind="dict")
         call("dict batch again", model_a, sgd_a, ddp_a, ddp_sgd_a, kind="dict")
         call("tuple batch again", model_a, sgd_a, ddp_a, ddp_sgd_a)
@@ -359,8 +364,13 @@ def caching_job() -> dict:
         call("momentum changed", model_a, sgd_a, ddp_a, ddp_sgd_a)
         call("momentum changed, again", model_a, sgd_a, ddp_a, ddp_sgd_a)
 
-        adam_a = torch.optim.Adam(model_a.parameters(), lr=0.01)
-        ddp_adam_a = torch.optim.Adam(ddp_a.parameters(), lr=0.01)
+        # Adam's first update is about lr * sign(grad): where a gradient element is as small as
+        # eps (1e-8 by default) a one-ulp difference in the averaged gradient (gloo sums DDP's
+        # flat bucket and the compiled step's per-parameter tensors in different orders at world
+        # size 3) moves the update by ~1e-3 * lr. A larger eps keeps this test about caching; the
+        # parity cases above cover Adam's default eps.
+        adam_a = torch.optim.Adam(model_a.parameters(), lr=0.01, eps=1e-4)
+        ddp_adam_a = torch.optim.Adam(ddp_a.parameters(), lr=0.01, eps=1e-4)
         call("new optimizer (Adam), first call", model_a, adam_a, ddp_a, ddp_adam_a)
         call("new optimizer (Adam), second call", model_a, adam_a, ddp_a, ddp_adam_a)
         call("new optimizer (Adam), again", model_a, adam_a, ddp_a, ddp_adam_a)
@@ -390,6 +400,9 @@ EXPECTED_CACHING = [
     # recompile once (None: 0 or 1), but must compute the right thing.
     ("batch of one", None, None),
     ("batch of one again", 0, None),
+    # Views (non-zero storage offset, row stride 58) may need their own graph, once.
+    ("inputs are views of one tensor", None, None),
+    ("inputs are views again", 0, None),
     ("dict batch", 1, "input structure"),
     ("dict batch again", 0, None),
     ("tuple batch again", 0, None),
