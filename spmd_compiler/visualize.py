@@ -353,10 +353,11 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
                  size_hints: Mapping[str, int] | None = None) -> graphviz.Digraph:
     """The full view: every node (up to ``max_nodes``), in region and bucket clusters.
 
-    A value read in another region than its own (state the optimizer updates, activations the
-    backward reads) is drawn again as a dashed copy inside the reading region, and a symbolic
-    scalar read far from where it is made gets a copy next to its reader. Long edges would
-    otherwise cross the whole graph and make Graphviz's layout slow (virtual node chains).
+    A placeholder sits in the region of its first reader. A value read in another region than its
+    own (state the optimizer updates, activations the backward reads) is drawn again as a dashed
+    copy inside the reading region, and a symbolic scalar read far from where it is made gets a
+    copy next to its reader. Long edges would otherwise cross the whole graph and make
+    Graphviz's layout slow (virtual node chains).
     """
     nodes = list(gm.graph.nodes)
     shown = nodes[:max_nodes]
@@ -370,21 +371,26 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
     g = _new_digraph(f"{title}\n{len(nodes)} nodes, {n_coll} collectives" if title else "")
 
     pos = {n: i for i, n in enumerate(nodes)}
+    place = dict(regions)  # a placeholder is drawn in the region of its first reader
+    for n in shown:
+        if n.op == "placeholder":
+            place[n] = next((regions[u] for u in n.users if u.op != "output"), None)
     copies: dict[tuple[fx.Node, fx.Node], tuple[str, str]] = {}  # (src, dst) -> (copy, region)
     for n in shown:
         for inp in n.all_input_nodes:
-            region, src_region = regions[n], regions[inp]
-            if region is None or n.op == "output" or inp.op == "placeholder" and region == "forward":
+            region = place[n]
+            if region is None or n.op == "output":
                 continue
-            if src_region != region:
+            if place[inp] != region:
                 copies[(inp, n)] = (f"{inp.name}__{region}", region)
             elif roles[inp] == "scalar" and pos[n] - pos[inp] > _SCALAR_REACH:
                 copies[(inp, n)] = (f"{inp.name}__{n.name}", region)
     # cluster key -> nodes; a node sits in its region's cluster and, inside it, its bucket's.
     groups: dict[tuple[str | None, int | None], list[fx.Node]] = defaultdict(list)
     for n in shown:
-        groups[(regions[n], buckets.get(n))].append(n)
-    for region in dict.fromkeys(r for r, _ in groups):
+        groups[(place[n], buckets.get(n))].append(n)
+    for region in dict.fromkeys([regions[n] for n in shown if n.op != "placeholder"]
+                                + [r for r, _ in groups]):
         with _cluster(g, region, **_region_attrs(region)) as rg:
             drawn = {name_region: src for (src, _), name_region in copies.items()}
             for (name, r), src in drawn.items():
