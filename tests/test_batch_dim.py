@@ -354,6 +354,16 @@ def test_nonlinear_reductions_over_batch_are_rank_local_partials():
     assert check_roles(gm) == 2
 
 
+def test_local_statistics_feed_sharded_results():
+    """A hand-written batch norm: each rank normalizes with its own batch statistics."""
+    gm = annotate_placements(_raising_step(lambda h: (h - h.mean(0)) / (h.var(0) + 1e-5).sqrt()))
+    mean = calls(gm, aten.mean.dim)[0]  # the forward's (var's backward has its own)
+    (centered,) = [n for n in calls(gm, aten.sub.Tensor) if mean in n.args]
+    normalized = next(n for n in calls(gm, aten.div.Tensor) if centered in n.args)
+    assert placement(mean) == AVG and placement(centered) == placement(normalized) == Shard(0)
+    assert check_roles(gm) == 2
+
+
 def test_functional_collectives_after_expansion():
     """all_reduce makes Partial gradients Replicate, so the optimizer region is Replicate."""
     import torch.distributed as dist
