@@ -582,7 +582,8 @@ def _group_label(grp: dict[str, Any], sizer: _Sizer) -> str:
             return f"{grp['title']}\n{len(nodes)} scalars"
         nbytes = sum(sizer.nbytes(n.meta.get("val"))[0] for n in nodes)
         return f"{grp['title']}\n{len(nodes)} tensors · {fmt_bytes(nbytes)}"
-    places = Counter(placement_str(n.meta[PLACEMENT]) for n in nodes if PLACEMENT in n.meta)
+    places = Counter(placement_str(n.meta[PLACEMENT]) for n in nodes
+                     if placement_kind(n.meta.get(PLACEMENT)) != "none")
     lines = [grp["title"], f"{len(nodes)} ops"]
     if places:
         lines.append(" ".join(f"{p}×{c}" for p, c in places.most_common(3)))
@@ -695,7 +696,7 @@ class Summary:
     collectives: list[CollectiveStat]
     buckets: list[BucketStat]
     params: list[ParamStat]
-    persistent_bytes: dict[str, int]  # params, grads, buffers, optimizer state, total (per rank)
+    persistent_bytes: dict[str, int]  # per rank: params, grads, buffers, optimizer state, total
     peak_bytes: int  # liveness estimate, see estimate_peak_memory
     peak_node: str
     compile_times: dict[str, float] = field(default_factory=dict)
@@ -802,7 +803,8 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     """Summarize a (compiled) step graph.
 
     ``param_info`` maps parameter FQN to its global (unsharded) shape, shown next to the local
-    one. ``size_hints`` overrides symbol values by name (e.g. ``{"s0": 64}``); by default each
+    one; a parameter with a gradient node counts its local size again as persistent gradient
+    memory. ``size_hints`` overrides symbol values by name (e.g. ``{"s0": 64}``); by default each
     symbol takes its ShapeEnv hint, i.e. the sizes seen at trace time. ``notes`` are per-pass
     one-liners (what bucketing, overlap, ... did).
     """
@@ -826,6 +828,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
 
     persistent = Counter()
     params = []
+    with_grad = {n.meta.get(PARAM_FQN) for n in nodes if n.meta.get(ROLE) == Role.GRAD}
     for n in nodes:
         if n.op != "placeholder":
             continue
@@ -838,7 +841,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
                 fqn, placement_str(n.meta.get(PLACEMENT)), tuple(sizer.int(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
             persistent["params"] += nbytes
-            persistent["grads"] += nbytes
+            persistent["grads"] += nbytes if fqn in with_grad else 0
         elif role == Role.BUFFER:
             persistent["buffers"] += nbytes
         elif role == Role.OPT_STATE:
