@@ -255,12 +255,14 @@ def _reports(pool) -> list[dict]:
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_replicate_matches_ddp(pool, case, record_property):
+def test_replicate_matches_ddp(pool, case):
     expected_compiles = CASES[case]["compiles"]
     for rank, reports in enumerate(_reports(pool)):
         rep = reports[case]
         assert "exception" not in rep, f"{case} raised on rank {rank}: {rep.get('exception')}"
-        record_property(f"rank{rank}_max_err", rep["max_err"])
+        # Observed max abs errors (shown with -rP / -s).
+        print(f"{case} ws{pool.world_size} rank {rank}: max abs err "
+              + ", ".join(f"{k} {v:.2g}" for k, v in rep["max_err"].items()))
         problems = rep["problems"]
         assert not problems, (
             f"{case} (world size {pool.world_size}) differs from DDP on rank {rank}: "
