@@ -20,6 +20,7 @@ HEADERS = [
     "mode",
     "step ms (median)",
     "p10-p90 ms",
+    "CPU ms",
     "x DDP",
     "x FSDP2",
     "x lower bound",
@@ -69,7 +70,7 @@ def rows(results: dict, reason_width: int | None = 60) -> list[list[str]]:
                 reason = r.get("reason", "")
                 if reason_width and len(reason) > reason_width:
                     reason = reason[: reason_width - 3] + "..."
-                out.append([model["name"], r["mode"], r["status"], reason] + [""] * 8)
+                out.append([model["name"], r["mode"], r["status"], reason] + [""] * 9)
                 continue
             s = r["step_ms"]
             out.append(
@@ -78,6 +79,7 @@ def rows(results: dict, reason_width: int | None = 60) -> list[list[str]]:
                     r["mode"],
                     f"{s['median']:.1f}",
                     f"{s['p10']:.1f}-{s['p90']:.1f}",
+                    _fmt(r.get("cpu_ms_median"), ".1f"),
                     _fmt(r["ratio_to_ddp"], ".2f"),
                     _fmt(r["ratio_to_fsdp2"] if r.get("sharded") else None, ".2f"),
                     _fmt(r["ratio_to_lower_bound"], ".2f"),
@@ -263,6 +265,9 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "- **step ms**: per step, the slowest rank's wall time (every rank times each step; the "
         "max over ranks is taken after the loop with one all_reduce(MAX), so timing adds no "
         "synchronisation). Median and p10-p90 over the timed steps.",
+        "- **CPU ms**: median per step of the process CPU time (all threads, max over ranks). "
+        "Unlike wall time it is barely inflated when other processes share the cores; it "
+        "excludes time spent blocked waiting for a peer.",
         "- **x DDP / x FSDP2**: median over eager DDP's (FSDP2's, for the sharded modes) median.",
         "- **lower bound** = max(`compute`, `comm`): `compute` is the same single-device step on "
         "the local batch with no communication (run on every rank at once, so the machine is as "

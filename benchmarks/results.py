@@ -16,7 +16,11 @@ def percentile(values: list[float], q: float) -> float:
 def wire_bytes_per_rank(comm: dict[str, int], world_size: int) -> int:
     """Bytes each rank sends with ring collectives: all_reduce 2(n-1)/n, gather/scatter (n-1)/n."""
     n = world_size
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+    }
     return int(sum(factor[kind] * b for kind, b in comm.items()))
 
 
@@ -58,6 +62,7 @@ def summarize(mode: Mode, ranks: list[dict], comm: dict[str, int], world_size: i
             "max": max(steps_ms),
         },
         steps_ms=steps_ms,
+        cpu_ms_median=percentile([1000 * s for s in r0["step_cpu_seconds"]], 0.5),
         first_call_s=r0["first_call_seconds"],
         compile_s=r0["compile_seconds"],
         compiles=r0["compiles"],

@@ -82,16 +82,17 @@ def _measure(job: Job, rank: int) -> dict:
         runner.step(_batch(job, rank, i))
         account_compiles()
     warm_compiles = compiles
-    times = []
+    wall, cpu = [], []
     for i in range(1 + job.warmup, 1 + job.warmup + job.steps):
         batch = _batch(job, rank, i)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = runner.step(batch)
-        times.append(time.perf_counter() - start)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     account_compiles()
 
     # Step time = slowest rank per step, reduced after the loop so timing has no extra syncs.
-    per_step = torch.tensor(times, dtype=torch.float64)
+    per_step = torch.tensor([wall, cpu], dtype=torch.float64)
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
     first = torch.tensor([first_call], dtype=torch.float64)
     dist.all_reduce(first, op=dist.ReduceOp.MAX)
@@ -99,7 +100,8 @@ def _measure(job: Job, rank: int) -> dict:
     if job.profile_dir:
         _profile(job, rank, runner, batch)
     return {
-        "step_seconds": per_step.tolist(),
+        "step_seconds": per_step[0].tolist(),
+        "step_cpu_seconds": per_step[1].tolist(),
         "first_call_seconds": first.item(),
         "compile_seconds": compile_seconds if runner.compiles() is not None else None,
         "compiles": runner.compiles(),
@@ -139,7 +141,8 @@ def rank_main(rank: int, job: Job, port: int, out_dir: str) -> None:
         result.update(_measure(job, rank))
     except Exception as exc:  # reported per job; one failing mode must not end the run
         result["status"] = "n/a" if _unavailable(exc) else "error"
-        result["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        result["reason"] = f"{type(exc).__name__}: {first_line}"
         if result["status"] == "error":
             result["traceback"] = traceback.format_exc()
     result["rss_peak_bytes"] = _max_rss_bytes()
