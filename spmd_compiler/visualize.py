@@ -374,7 +374,8 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
     place = dict(regions)  # a placeholder is drawn in the region of its first reader
     for n in shown:
         if n.op == "placeholder":
-            place[n] = next((regions[u] for u in n.users if u.op != "output"), None)
+            readers = [u for u in n.users if u.op != "output"]
+            place[n] = regions[min(readers, key=pos.get)] if readers else None
     copies: dict[tuple[fx.Node, fx.Node], tuple[str, str]] = {}  # (src, dst) -> (copy, region)
     for n in shown:
         for inp in n.all_input_nodes:

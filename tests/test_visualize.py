@@ -136,6 +136,44 @@ def test_every_collective_drawn_once(tmp_path, expanded):
         assert svg.read_text().count('class="node collective"') == expected
 
 
+def _clusters(dot_source):
+    """cluster name -> names of the nodes declared directly or nested inside it."""
+    out, stack = {}, []
+    for line in dot_source.splitlines():
+        line = line.strip()
+        m = re.match(r"subgraph (cluster_\w+) \{", line)
+        if m:
+            stack.append(m.group(1))
+            out[m.group(1)] = set()
+        elif line == "}" and stack:
+            stack.pop()
+        elif stack and (m := re.match(r'"?([\w.]+)"? \[', line)) and "->" not in line:
+            for c in stack:
+                out[c].add(m.group(1))
+    return out
+
+
+def test_regions_are_clusters_and_cross_region_reads_are_copies(expanded):
+    _, gm, _, _ = expanded
+    text = visualize.graph_to_dot(gm, "x").source
+    clusters = _clusters(text)
+    params = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.PARAM]
+    hparam = next(n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.HPARAM)
+    region_of = {name: c for c in ("cluster_forward", "cluster_backward", "cluster_optimizer")
+                 for name in clusters[c]}
+    assert all(region_of[p.name] == "cluster_forward" for p in params)
+    assert region_of[hparam.name] == "cluster_optimizer"  # only the optimizer reads the lr
+    # the optimizer updates every parameter: it reads a dashed copy, not the forward node
+    for p in params:
+        assert region_of[f"{p.name}__optimizer"] == "cluster_optimizer"
+    for a, b, attrs in re.findall(r"^\s*([\w.]+) -> ([\w.]+)(.*)$", text, re.M):
+        if a in region_of and b in region_of and "invis" not in attrs:  # not the order hints
+            assert region_of[a] == region_of[b], (a, b)
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            assert region_of[n.name] == f"cluster_{n.meta[REGION].value}", n
+
+
 def test_full_view_caps_large_graphs(expanded):
     _, gm, _, _ = expanded
     capped = visualize.graph_to_dot(gm, "big", max_nodes=10).source
