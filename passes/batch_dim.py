@@ -340,6 +340,7 @@ class _Analysis:
                 _fail(node, f"an input is {p} over parameter shards; it needs its all_reduce "
                             f"before {name}")
         dims = self.batch_dims(out)
+        batch_ins = [(v, p) for v, p in ins if self.is_batch_shard(v, p)]
         if len(dims) > 1:
             _fail(node, f"result of shape {tuple(out.shape)} has the batch size in dims {dims}; "
                         "a tensor can be sharded along one batch dim only (e.g. an outer product "
@@ -349,14 +350,12 @@ class _Analysis:
             if not self._outermost_ok(out.shape[d]):
                 _fail(node, f"dim {d} of the result {tuple(out.shape)} has size "
                             f"{self._expr(out.shape[d])}: not (batch size) x (a batch-free "
-                            "factor); "
-                            "slicing, padding or concatenating along the batch dim is not covered")
+                            "factor); slicing, padding or concatenating along the batch dim is "
+                            "not covered")
             if any(isinstance(p, Shard) and not self.is_batch_shard(v, p) for v, p in ins):
                 _fail(node, "mixes batch-sharded data with parameter shards")
-            batch_ins = [(v, p) for v, p in ins if self.is_batch_shard(v, p)]
             self.check_shard(node, name, out, d, batch_ins)
             return Shard(d)
-        batch_ins = [(v, p) for v, p in ins if self.is_batch_shard(v, p)]
         if batch_ins:
             return self.reduction_over_batch(node, name, out, batch_ins, position)
         shards = [(v, p) for v, p in ins if isinstance(p, Shard)]
