@@ -98,7 +98,7 @@ def table(results: dict, fmt: str = "simple") -> str:
 
 
 def ratio_table(results: dict, fmt: str = "simple") -> str:
-    """Models x modes: median step time over DDP's, and over the lower bound in parentheses."""
+    """Models x modes: wall-time median over DDP's (over the lower bound), CPU time over DDP's."""
     modes = list(dict.fromkeys(r["mode"] for m in results["models"] for r in m["results"]))
     body = []
     for model in results["models"]:
@@ -112,10 +112,11 @@ def ratio_table(results: dict, fmt: str = "simple") -> str:
                 row.append(r["status"])
             else:
                 row.append(
-                    f"{_fmt(r['ratio_to_ddp'], '.2f')} ({_fmt(r['ratio_to_lower_bound'], '.2f')})"
+                    f"{_fmt(r['ratio_to_ddp'], '.2f')} ({_fmt(r['ratio_to_lower_bound'], '.2f')}) "
+                    f"[{_fmt(r.get('cpu_ratio_to_ddp'), '.2f')}]"
                 )
         body.append(row)
-    return tabulate(body, headers=["x DDP (x lower bound)", *modes], tablefmt=fmt,
+    return tabulate(body, headers=["x DDP (x lower bound) [CPU x DDP]", *modes], tablefmt=fmt,
                     disable_numparse=True)
 
 
@@ -190,6 +191,38 @@ def collectives_table(results: dict) -> list[str]:
     return [tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)]
 
 
+def profile_table(results: dict) -> list[str]:
+    """Per-step totals from torch.profiler on rank 0 (``--profile``), one row per job."""
+    body = []
+    for model in results["models"]:
+        for r in model["results"]:
+            p = r.get("profile")
+            if not p:
+                continue
+            top = "-" if p["top_op"] is None else f"{p['top_op'][0]} {p['top_op'][1]:.1f}"
+            body.append(
+                [model["name"], r["mode"], f"{p['wall_ms']:.1f}", f"{p['collective_calls']:.0f}",
+                 f"{p['collective_ms']:.1f}", f"{p['aten_calls']:.0f}", f"{p['aten_ms']:.1f}",
+                 f"{p['other_ms']:.1f}", top]
+            )
+    if not body:
+        return []
+    headers = ["model", "mode", "wall ms", "collective calls", "collective ms", "aten calls",
+               "aten ms", "other ms", "top aten op (ms)"]
+    return [
+        "## Where the time goes (torch.profiler, rank 0, per step)",
+        "",
+        "Three extra steps after the measurement, under the profiler (which slows small ops "
+        "down). *collective ms* is the self time of c10d / functional-collective ops, including "
+        "time blocked in `wait_tensor`; *other ms* is time in framework code outside aten ops "
+        "(module hooks, optimizer Python, DDP/FSDP2 bookkeeping). Op tables: "
+        f"`{results['config'].get('profile') or 'PROFILE_DIR'}`.",
+        "",
+        tabulate(body, headers=headers, tablefmt="github", disable_numparse=True),
+        "",
+    ]
+
+
 def slower(results: dict) -> list[str]:
     """Bullets for every spmd mode whose median is above DDP's (or FSDP2's, when sharded)."""
     out = []
@@ -208,6 +241,7 @@ def slower(results: dict) -> list[str]:
 
 def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> str:
     m, cfg = results["machine"], results["config"]
+    src = results.get("source") or {"commit": "unknown", "compiler_sources_modified": False}
     lines = [
         "# Benchmarks",
         "",
@@ -217,7 +251,9 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "## Setup",
         "",
         f"- Command: `{results['command']}`",
-        f"- Date (UTC): {m['date']}",
+        f"- Date (UTC): {m['date']}; commit {src['commit']}"
+        + (" with uncommitted changes to spmd_compiler/ or passes/"
+           if src["compiler_sources_modified"] else ""),
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; "
         f"Python {m['python']}, torch {m['torch']}",
         f"- 1-minute load average at start / end: {m['load_average_start']:.1f} / "
@@ -241,8 +277,9 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "",
         "## Ratios",
         "",
-        "Median step time over eager DDP's, and over the lower bound max(compute, comm) in "
-        "parentheses.",
+        "Median wall time per step over eager DDP's; in parentheses over the lower bound "
+        "max(compute, comm); in brackets median CPU time per step over DDP's (robust to other "
+        "load on the machine, blind to time blocked on the peer).",
         "",
         ratio_table(results, "github"),
         "",
@@ -292,6 +329,7 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "",
     ]
     lines += ["## Where spmd is slower than the eager references", ""] + slower(results) + [""]
+    lines += profile_table(results)
     return "\n".join(lines)
 
 

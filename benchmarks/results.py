@@ -78,6 +78,7 @@ def summarize(mode: Mode, ranks: list[dict], comm: dict[str, int], world_size: i
         comm_total_bytes=sum(comm.values()),
         wire_bytes_per_rank=wire_bytes_per_rank(comm, world_size),
         loss_rank0=r0["loss"],
+        profile=r0["profile"],
         _params=r0["params"],
     )
     return record
@@ -93,11 +94,13 @@ def add_comparisons(records: list[dict]) -> float | None:
     median = {name: r["step_ms"]["median"] for name, r in ok.items()}
     lower = max(median["compute"], median["comm"]) if {"compute", "comm"} <= median.keys() else None
     ddp_params = ok["ddp"]["_params"] if "ddp" in ok else None
+    ddp_cpu = ok["ddp"]["cpu_ms_median"] if "ddp" in ok else None
     for r in ok.values():
         m = r["step_ms"]["median"]
         r["ratio_to_ddp"] = m / median["ddp"] if "ddp" in median else None
         r["ratio_to_fsdp2"] = m / median["fsdp2"] if "fsdp2" in median else None
         r["ratio_to_lower_bound"] = m / lower if lower else None
+        r["cpu_ratio_to_ddp"] = r["cpu_ms_median"] / ddp_cpu if ddp_cpu else None
         params = r.pop("_params")
         r["parity_max_abs_diff"] = (
             max_abs_diff(params, ddp_params) if params is not None and ddp_params else None

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -132,6 +133,15 @@ def machine() -> dict:
     }
 
 
+def source_revision() -> dict:
+    """The commit measured, and whether the compiler's sources differed from it."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "spmd_compiler", "passes")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "compiler_sources_modified": bool(dirty)}
+
+
 def run_model(name: str, args: argparse.Namespace) -> dict:
     spec, modes = MODELS[name], all_modes()
     batch = args.batch or spec.batch
@@ -164,12 +174,14 @@ def main(argv=None) -> int:
     results = {
         "command": shlex.join(["python", "-m", "benchmarks.run", *argv]),
         "machine": machine(),
+        "source": source_revision(),
         "config": {
             "world_size": args.world_size,
             "steps": args.steps,
             "warmup": args.warmup,
             "seed": args.seed,
             "out": args.out,
+            "profile": args.profile,
         },
         "models": [],
     }

@@ -30,7 +30,8 @@ class Job:
     """One (model, mode) measurement. ``batch`` is the per-rank batch size.
 
     With ``profile_dir``, three more steps run after everything is measured, under
-    torch.profiler, and rank 0 writes the op table to ``{profile_dir}/{model}_{mode}.txt``.
+    torch.profiler; rank 0 writes the op table to ``{profile_dir}/{model}_{mode}.txt`` and
+    reports per-step totals (collectives, aten ops, the rest) with its figures.
     """
 
     model: str
@@ -97,8 +98,7 @@ def _measure(job: Job, rank: int) -> dict:
     first = torch.tensor([first_call], dtype=torch.float64)
     dist.all_reduce(first, op=dist.ReduceOp.MAX)
     params = None if mode.reference else full_params(runner)
-    if job.profile_dir:
-        _profile(job, rank, runner, batch)
+    profiled = _profile(job, rank, runner, batch) if job.profile_dir else None
     return {
         "step_seconds": per_step[0].tolist(),
         "step_cpu_seconds": per_step[1].tolist(),
@@ -110,20 +110,42 @@ def _measure(job: Job, rank: int) -> dict:
         "persistent_bytes": persistent_bytes(runner),
         "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else None,
         "params": params,
+        "profile": profiled,
     }
 
 
-def _profile(job: Job, rank: int, runner, batch, steps: int = 3) -> None:
+def _profile(job: Job, rank: int, runner, batch, steps: int = 3) -> dict | None:
+    """Profile ``steps`` more steps; rank 0 writes the op table and returns per-step totals."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             runner.step(batch)
-    if rank == 0:
-        path = Path(job.profile_dir) / f"{job.model}_{job.mode}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        path.write_text(f"{job.model} / {job.mode}: {steps} steps on rank 0\n{table}\n")
+        wall = time.perf_counter() - start
+    if rank != 0:
+        return None
+    events = prof.key_averages()
+    path = Path(job.profile_dir) / f"{job.model}_{job.mode}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = events.table(sort_by="self_cpu_time_total", row_limit=25)
+    path.write_text(f"{job.model} / {job.mode}: {steps} steps on rank 0\n{table}\n")
+
+    def ms(evs) -> float:
+        return sum(e.self_cpu_time_total for e in evs) / 1000 / steps
+
+    comm = [e for e in events if e.key.startswith(("c10d::", "_c10d_functional::"))]
+    aten = [e for e in events if e.key.startswith("aten::")]
+    top = max(aten, key=lambda e: e.self_cpu_time_total, default=None)
+    return {
+        "wall_ms": 1000 * wall / steps,
+        "collective_calls": sum(e.count for e in comm if e.key.startswith("c10d::")) / steps,
+        "collective_ms": ms(comm),
+        "aten_ms": ms(aten),
+        "aten_calls": sum(e.count for e in aten) / steps,
+        "other_ms": ms(events) - ms(comm) - ms(aten),
+        "top_op": None if top is None else [top.key, ms([top])],
+    }
 
 
 def rank_main(rank: int, job: Job, port: int, out_dir: str) -> None:

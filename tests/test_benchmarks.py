@@ -67,9 +67,10 @@ def test_step_times(by_mode):
         assert len(r["steps_ms"]) == 2
         assert all(t > 0 for t in r["steps_ms"])
         assert 0 < s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= s["max"]
-        assert r["first_call_s"] > 0
+        assert r["first_call_s"] > 0 and r["cpu_ms_median"] > 0
         assert r["ratio_to_ddp"] > 0 and r["ratio_to_lower_bound"] > 0
     assert by_mode["ddp"]["ratio_to_ddp"] == pytest.approx(1.0)
+    assert by_mode["ddp"]["cpu_ratio_to_ddp"] == pytest.approx(1.0)
     assert by_mode["spmd_replicate"]["compile_s"] > 0
 
 
