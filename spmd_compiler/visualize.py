@@ -24,7 +24,9 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 
-from passes.meta import BUCKET, COLLECTIVE, INPUT_PATH, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role
+from passes.meta import (
+    BUCKET, COLLECTIVE, INPUT_PATH, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role,
+)
 
 log = logging.getLogger("spmd_compiler")
 
@@ -211,7 +213,7 @@ class _Sizer:
         self.overrides = dict(overrides or {})
         self.used: dict[str, int] = {}
 
-    def int(self, s: int | torch.SymInt) -> int:
+    def size(self, s: int | torch.SymInt) -> int:
         if not isinstance(s, torch.SymInt):
             return int(s)
         expr, env = s.node.expr, s.node.shape_env
@@ -235,7 +237,7 @@ class _Sizer:
         for t in _tensors(val):
             numel = 1
             for s in t.shape:
-                numel *= self.int(s)
+                numel *= self.size(s)
                 symbolic |= isinstance(s, torch.SymInt) and bool(s.node.expr.free_symbols)
             total += numel * t.element_size()
         return total, symbolic
@@ -253,11 +255,11 @@ def shape_str(val: Any) -> str:
 
 def fmt_bytes(n: int | float) -> str:
     """Human-readable bytes (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    units = ["B", "KiB", "MiB", "GiB"]
+    i = 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.2f} {units[i]}"
 
 
 def collective_bytes(node: fx.Node, sizer: _Sizer | None = None) -> tuple[int, bool]:
@@ -370,31 +372,16 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
     n_coll = sum(r == "collective" for r in roles.values())
     g = _new_digraph(f"{title}\n{len(nodes)} nodes, {n_coll} collectives" if title else "")
 
-    pos = {n: i for i, n in enumerate(nodes)}
-    place = dict(regions)  # a placeholder is drawn in the region of its first reader
-    for n in shown:
-        if n.op == "placeholder":
-            readers = [u for u in n.users if u.op != "output"]
-            place[n] = regions[min(readers, key=pos.get)] if readers else None
-    copies: dict[tuple[fx.Node, fx.Node], tuple[str, str]] = {}  # (src, dst) -> (copy, region)
-    for n in shown:
-        for inp in n.all_input_nodes:
-            region = place[n]
-            if region is None or n.op == "output":
-                continue
-            if place[inp] != region:
-                copies[(inp, n)] = (f"{inp.name}__{region}", region)
-            elif roles[inp] == "scalar" and pos[n] - pos[inp] > _SCALAR_REACH:
-                copies[(inp, n)] = (f"{inp.name}__{n.name}", region)
+    place, copies = _places_and_copies(shown, regions, roles)
     # cluster key -> nodes; a node sits in its region's cluster and, inside it, its bucket's.
     groups: dict[tuple[str | None, int | None], list[fx.Node]] = defaultdict(list)
     for n in shown:
         groups[(place[n], buckets.get(n))].append(n)
+    copy_nodes = {name_region: src for (src, _), name_region in copies.items()}
     for region in dict.fromkeys([regions[n] for n in shown if n.op != "placeholder"]
                                 + [r for r, _ in groups]):
         with _cluster(g, region, **_region_attrs(region)) as rg:
-            drawn = {name_region: src for (src, _), name_region in copies.items()}
-            for (name, r), src in drawn.items():
+            for (name, r), src in copy_nodes.items():
                 if r == region:
                     text = _node_label(src, roles[src], sizer).split("\n")[0]
                     rg.node(name, text if src.op == "placeholder" else src.name,
@@ -428,6 +415,32 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
                shape="note", style="filled", fillcolor="#fee0d2", color="#cb181d", fontsize="12")
     _add_legend(g, [r for r in ROLE_STYLES if r in set(roles.values())])
     return g
+
+
+def _places_and_copies(shown: list[fx.Node], regions: Mapping[fx.Node, str | None],
+                       roles: Mapping[fx.Node, str]):
+    """The region each node is drawn in (a placeholder: its first reader's), and the dashed
+    copies: (source, reader) -> (copy's DOT name, region) for reads across regions and far reads
+    of symbolic scalars."""
+    pos = {n: i for i, n in enumerate(shown)}
+    place = dict(regions)
+    for n in shown:
+        if n.op == "placeholder":
+            readers = [u for u in n.users if u.op != "output" and u in pos]
+            place[n] = regions[min(readers, key=pos.get)] if readers else None
+    copies: dict[tuple[fx.Node, fx.Node], tuple[str, str]] = {}
+    for n in shown:
+        region = place[n]
+        if region is None or n.op == "output":
+            continue
+        for inp in n.all_input_nodes:
+            if inp not in pos:
+                continue
+            if place[inp] != region:
+                copies[(inp, n)] = (f"{inp.name}__{region}", region)
+            elif roles[inp] == "scalar" and pos[n] - pos[inp] > _SCALAR_REACH:
+                copies[(inp, n)] = (f"{inp.name}__{n.name}", region)
+    return place, copies
 
 
 def _copy_attrs(src: fx.Node, role: str) -> dict[str, str]:
@@ -471,7 +484,8 @@ def _module_prefix(fqn: str) -> str:
     return parts[0] if parts else ""
 
 
-def _modules(gm: fx.GraphModule, regions: Mapping[fx.Node, str | None]) -> dict[fx.Node, tuple[str, str, str]]:
+def _modules(gm: fx.GraphModule,
+             regions: Mapping[fx.Node, str | None]) -> dict[fx.Node, tuple[str, str, str]]:
     """Module (path, class, pass) per node, for grouping only.
 
     Forward: the recorded ``nn_module_stack``. A backward tensor op without one takes the module
@@ -539,15 +553,16 @@ def collapsed_to_dot(gm: fx.GraphModule, title: str = "", *,
     for n in gm.graph.nodes:
         role = _role(n, saved)
         gid, gtitle = _group(n, role, buckets.get(n), regions[n], modules.get(n))
-        grp = groups.setdefault(gid, dict(title=gtitle, nodes=[], roles=Counter(), regions=Counter()))
+        grp = groups.setdefault(
+            gid, dict(title=gtitle, nodes=[], roles=Counter(), regions=Counter()))
         grp["nodes"].append(n)
         grp["roles"][role] += 1
         if regions[n]:
             grp["regions"][regions[n]] += 1
         member_of[n] = gid
 
-    g = _new_digraph(f"{title} (collapsed by module)\n{len(member_of)} nodes in {len(groups)} groups"
-                     if title else "")
+    g = _new_digraph(f"{title} (collapsed by module)\n"
+                     f"{len(member_of)} nodes in {len(groups)} groups" if title else "")
     by_region: dict[str | None, list[str]] = defaultdict(list)
     for gid, grp in groups.items():
         by_region[grp["regions"].most_common(1)[0][0] if grp["regions"] else None].append(gid)
@@ -606,9 +621,10 @@ def _group_attrs(grp: dict[str, Any]) -> dict[str, str]:
                     if _tensors(n.meta.get("val")))
     total = sum(kinds.values()) or 1
     stripes = ":".join(f"{PLACEMENT_COLORS[k]};{c / total:.3f}" for k, c in kinds.items())
-    return dict(shape="box", style="striped" if len(kinds) > 1 else "filled",
-                fillcolor=stripes if len(kinds) > 1 else PLACEMENT_COLORS[next(iter(kinds), "none")],
-                color="#525252", penwidth="1.5")
+    if len(kinds) <= 1:
+        return dict(shape="box", style="filled", color="#525252", penwidth="1.5",
+                    fillcolor=PLACEMENT_COLORS[next(iter(kinds), "none")])
+    return dict(shape="box", style="striped", fillcolor=stripes, color="#525252", penwidth="1.5")
 
 
 # ----------------------------------------------------------------------------- dumping
@@ -711,8 +727,8 @@ class Summary:
         """(title, headers, rows) of every section."""
         hints = ", ".join(f"{k}={v}" for k, v in sorted(self.size_hints.items())) or "none"
         out = [("collectives per step", ["kind", "count", "bytes", "size", "depends on batch"],
-                [[c.kind, c.count, c.bytes, fmt_bytes(c.bytes), "yes" if c.batch_dependent else "no"]
-                 for c in self.collectives]
+                [[c.kind, c.count, c.bytes, fmt_bytes(c.bytes),
+                  "yes" if c.batch_dependent else "no"] for c in self.collectives]
                 + [["total", sum(c.count for c in self.collectives), self.collective_bytes,
                     fmt_bytes(self.collective_bytes), ""]])]
         if self.buckets:
@@ -744,8 +760,9 @@ class Summary:
                            for title, headers, rows in self.tables()) + "\n"
 
     def to_markdown(self) -> str:
-        return "\n\n".join(f"### {title}\n\n{tabulate(rows, headers, tablefmt='github', floatfmt='.3f')}"
-                           for title, headers, rows in self.tables()) + "\n"
+        return "\n\n".join(
+            f"### {title}\n\n{tabulate(rows, headers, tablefmt='github', floatfmt='.3f')}"
+            for title, headers, rows in self.tables()) + "\n"
 
 
 def _alias_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node:
@@ -821,7 +838,8 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         stat.bytes += nbytes
         stat.batch_dependent |= symbolic
         if n.meta.get(BUCKET) is not None:
-            b = by_bucket.setdefault(int(n.meta[BUCKET]), BucketStat(int(n.meta[BUCKET]), "", 0, 0, []))
+            index = int(n.meta[BUCKET])
+            b = by_bucket.setdefault(index, BucketStat(index, "", 0, 0, []))
             b.count += 1
             b.bytes += nbytes
             b.kinds = ", ".join(dict.fromkeys(filter(None, b.kinds.split(", ") + [kind])))
@@ -839,7 +857,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
             fqn = n.meta.get(PARAM_FQN, n.name)
             val = n.meta.get("val")
             params.append(ParamStat(
-                fqn, placement_str(n.meta.get(PLACEMENT)), tuple(sizer.int(s) for s in val.shape),
+                fqn, placement_str(n.meta.get(PLACEMENT)), tuple(sizer.size(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
             persistent["params"] += nbytes
             persistent["grads"] += nbytes if fqn in with_grad else 0
