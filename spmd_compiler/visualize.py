@@ -23,6 +23,7 @@ import graphviz
 import torch
 import torch.fx as fx
 from tabulate import tabulate
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from passes.meta import (
     BUCKET, COLLECTIVE, INPUT_PATH, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role,
@@ -224,9 +225,7 @@ class _Sizer:
                 values[sym] = self.overrides[name]
             elif sym in env.backed_var_to_val:
                 values[sym] = int(env.backed_var_to_val[sym])
-            else:
-                from torch.fx.experimental.symbolic_shapes import optimization_hint
-
+            else:  # unbacked (data-dependent): torch's own estimate
                 return optimization_hint(s)
             self.used[name] = int(values[sym])
         return int(expr.xreplace(values))
