@@ -45,7 +45,9 @@ STEP_FNS = {"train_step": train_step, "mse_step": mse_step, "flexible_step": fle
 CASES: dict[str, dict] = {
     # The seed's replicate cases.
     "sgd_lr": dict(model="SimpleMLP", optim=("SGD", {"lr": 0.1}), compiles=1),
-    "sgd_momentum": dict(model="SimpleMLP", optim=("SGD", {"lr": 0.1, "momentum": 0.9}), compiles=2),
+    "sgd_momentum": dict(
+        model="SimpleMLP", optim=("SGD", {"lr": 0.1, "momentum": 0.9}), compiles=2
+    ),
     "sgd_momentum_foreach": dict(
         model="SimpleMLP", optim=("SGD", {"lr": 0.1, "momentum": 0.9, "foreach": True}), compiles=2
     ),
@@ -53,7 +55,9 @@ CASES: dict[str, dict] = {
     "batch_dim_model_sgd": dict(model="BatchDimModel", optim=("SGD", {"lr": 0.1}), compiles=1),
     # More optimizers.
     "adam_default": dict(model="SimpleMLP", optim=("Adam", {"lr": 0.01}), compiles=2),
-    "adam_foreach": dict(model="SimpleMLP", optim=("Adam", {"lr": 0.01, "foreach": True}), compiles=2),
+    "adam_foreach": dict(
+        model="SimpleMLP", optim=("Adam", {"lr": 0.01, "foreach": True}), compiles=2
+    ),
     "adamw_weight_decay": dict(
         model="SimpleMLP", optim=("AdamW", {"lr": 0.01, "weight_decay": 0.1}), compiles=2
     ),
@@ -184,7 +188,8 @@ def compare_with_ddp(chk: _Checker, step: int, model, opt, ddp_model, ddp_opt) -
         chk.close("param", f"step {step}: parameter {name}", p, q)
         st, ref_st = opt.state.get(p, {}), ddp_opt.state.get(q, {})
         chk.check(sorted(st) == sorted(ref_st),
-                  f"step {step}: optimizer state keys of {name}: {sorted(st)} vs DDP {sorted(ref_st)}")
+                  f"step {step}: optimizer state keys of {name}: {sorted(st)} "
+                  f"vs DDP {sorted(ref_st)}")
         for k in ref_st:
             if k in st:
                 chk.close("state", f"step {step}: optimizer state {name}.{k}", st[k], ref_st[k])
@@ -197,6 +202,7 @@ def compare_with_ddp(chk: _Checker, step: int, model, opt, ddp_model, ddp_opt) -
 
 
 def _run_case(case: dict) -> dict:
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from spmd_compiler.api import compile as spmd_api_compile
@@ -225,7 +231,7 @@ def _run_case(case: dict) -> dict:
         ddp_loss = step_fn(ddp, ddp_opt, (x, y))
         counts.append(compiled.compile_count)
         lrs.append([g["lr"] for g in opt.param_groups])
-        chk.check(not isinstance(loss, torch.distributed.tensor.DTensor) and loss.dim() == 0,
+        chk.check(not isinstance(loss, DTensor) and loss.dim() == 0,
                   f"step {i}: loss is {type(loss).__name__} of shape {tuple(loss.shape)}")
         chk.close("loss", f"step {i}: loss", loss, ddp_loss.detach())
         if sched is not None:
@@ -449,7 +455,8 @@ def test_caching_recompiles_exactly_when_needed(pool):
             recompiles = [m for m in messages if "recompiling" in m]
             if rank == 0 and words is not None:
                 changed = [
-                    what.strip() for m in recompiles for what in m.split("changed ", 1)[-1].split(",")
+                    what.strip()
+                    for m in recompiles for what in m.split("changed ", 1)[-1].split(",")
                 ]
                 assert words in changed, (
                     f"'{event}': expected a recompile log saying '{words}', got {recompiles}"

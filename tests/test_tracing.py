@@ -315,7 +315,9 @@ def test_tracing_does_not_modify_model_or_optimizer(opt_kind):
     state = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
              for p, st in opt.state.items()}
     state_ids = {p: {k: id(v) for k, v in st.items()} for p, st in opt.state.items()}
-    groups = [{k: (list(v) if k == "params" else v) for k, v in g.items()} for g in opt.param_groups]
+    groups = [
+        {k: (list(v) if k == "params" else v) for k, v in g.items()} for g in opt.param_groups
+    ]
     training = [m.training for m in model.modules()]
 
     trace_step(step, (model, opt, batch()))
