@@ -136,6 +136,19 @@ def test_every_collective_drawn_once(tmp_path, expanded):
         assert svg.read_text().count('class="node collective"') == expected
 
 
+def test_real_replicate_expansion_is_drawn_and_summarized():
+    from passes.replicate import expand_replicate
+
+    model, gm = _traced()
+    gm = expand_replicate(gm, group_name="0", world_size=2)
+    issued = _graph_collectives(gm)
+    assert len(issued) == len(list(model.parameters()))
+    assert _dot_nodes_with_class(visualize.graph_to_dot(gm, "x").source, "collective") == len(issued)
+    (stat,) = visualize.summarize(gm).collectives
+    assert (stat.kind, stat.count, stat.batch_dependent) == ("all_reduce", len(issued), False)
+    assert stat.bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _clusters(dot_source):
     """cluster name -> names of the nodes declared directly or nested inside it."""
     out, stack = {}, []
