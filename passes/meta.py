@@ -37,7 +37,10 @@ INPUT_PATH = "spmd_input_path"  # str: pytree path of an INPUT leaf in the step'
 INPUT_BATCH_DIM = "spmd_input_batch_dim"  # int | None: the batch dim of an INPUT leaf
 
 # Written by passes/batch_dim.py (placement propagation).
-PLACEMENT = "spmd_placement"  # torch.distributed.tensor Placement: Shard(d) | Replicate() | Partial("avg")
+# Placement for a tensor; list[Placement | None] for a multi-output node or a void foreach/fused
+# in-place op (one per list index); None for non-tensors. Shard(d) | Replicate() | Partial("avg");
+# over fully_shard parameter shards also Partial("sum"/"max"/"min") / _NormPartial(p).
+PLACEMENT = "spmd_placement"
 
 # Written by the expansion passes (replicate / fully_shard) and the optimizers of collectives.
 COLLECTIVE = "spmd_collective"  # dict(kind=str, bytes=int, params=list[str]) on the issuing node

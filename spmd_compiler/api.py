@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from passes import batch_dim
+from passes.bucketing import bucket_collectives
 from passes.cleanup import eliminate_dead_code
+from passes.overlap import sink_waits
 from passes.fully_shard import expand_fully_shard
 from passes.replicate import expand_replicate
 
@@ -174,21 +176,36 @@ class CompiledStep:
                 traced.gm, group_name=group.group_name, world_size=mesh.size(),
                 broadcast_buffers=mode.broadcast_buffers,
             )
-        if not (fully_shard or single):
+        if not single:
             analyze(gm)
         stage("expanded", gm, t)
 
-        t = time.perf_counter()
-        gm = eliminate_dead_code(gm)
+        for name, run in optimization_passes(mode):
+            t = time.perf_counter()
+            gm = run(gm)
+            stage(name, gm, t)
         if self.gm_transformation is not None:
+            t = time.perf_counter()
             gm = self.gm_transformation(gm)
-        stage("optimized", gm, t)
+            stage("gm_transformation", gm, t)
 
         t = time.perf_counter()
         guard_code = traced.shape_env.produce_guards_expression(traced.fake_inputs)
         traced.gm = gm  # backend "eager": the FX graph's generated Python runs as is
         stage("lowered", gm, t)
         return gm, traced, guard_code, seconds
+
+
+def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
+    """The optimization passes ``mode`` turns on, in order, as (stage name, pass)."""
+    passes: list[tuple[str, Callable]] = [("dead_code", eliminate_dead_code)]
+    if mode.bucket_cap_mb:
+        passes.append(("bucketing", functools.partial(
+            bucket_collectives, bucket_cap_mb=mode.bucket_cap_mb,
+            first_bucket_cap_mb=mode.first_bucket_cap_mb)))
+    if mode.overlap:
+        passes.append(("overlap", sink_waits))
+    return passes
 
 
 def analyze(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

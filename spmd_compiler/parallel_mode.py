@@ -27,12 +27,20 @@ class DataParallel:
             gathered copy from forward through backward.
         broadcast_buffers: like DDP's option: buffers (e.g. BatchNorm running stats) are
             broadcast from rank 0 at the start of every step.
+        bucket_cap_mb: merge per-parameter collectives into flat buckets of at most this many
+            MiB (DDP's default 25; the first gradient bucket is at most ``first_bucket_cap_mb``
+            so communication starts early). ``None`` or ``0`` turns bucketing off.
+        overlap: move each collective's wait to the first use of its result, so communication
+            runs while the rest of the step computes. ``False`` waits right after issuing.
     """
 
     parallel_style: str = "replicate"
     input_batch_dim: Any = 0
     reshard_after_forward: bool = True
     broadcast_buffers: bool = True
+    bucket_cap_mb: float | None = 25.0
+    first_bucket_cap_mb: float = 1.0
+    overlap: bool = True
 
     def __post_init__(self):
         if self.parallel_style not in _STYLES:

@@ -1,0 +1,241 @@
+"""Bucketing: merge per-parameter gradient collectives (and fully_shard's parameter all-gathers)
+into a few large flat ones, as DDP's reducer and FSDP's groups do. Few large collectives beat many
+small ones on every transport: each collective pays a fixed latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from . import meta
+from .collectives import aten, c10d, insert_call, insert_collective, tensor_bytes
+
+MB = 2**20
+
+
+@dataclass
+class _Member:
+    """One per-parameter collective: ``issue(source / scale)`` followed by ``wait``."""
+
+    issue: fx.Node
+    wait: fx.Node
+    source: fx.Node  # the tensor before the division by the world size (or the shard, for gathers)
+    scale: fx.Node | None  # the div node, erased with the collective
+    nbytes: int
+
+
+def _members(graph: fx.Graph, target) -> list[_Member]:
+    out = []
+    for node in graph.nodes:
+        if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params"):
+            continue
+        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+        if len(waits) != 1 or len(node.users) != 1:
+            continue
+        inp = node.args[0]
+        scale = inp if inp.target is aten.div.Tensor and len(inp.users) == 1 else None
+        source = scale.args[0] if scale is not None else inp
+        nbytes = tensor_bytes(source.meta.get("val"))
+        if nbytes is None:
+            continue
+        out.append(_Member(node, waits[0], source, scale, nbytes))
+    return out
+
+
+def _buckets(members: list[_Member], cap: int, first_cap: int, deps: nx.DiGraph) -> list[list[_Member]]:
+    """Consecutive members (graph order) up to ``cap`` bytes (``first_cap`` for the first bucket);
+    a member whose input depends on an earlier member's result starts a new bucket."""
+    buckets: list[list[_Member]] = []
+    current: list[_Member] = []
+    size = 0
+    for m in members:
+        limit = first_cap if not buckets else cap
+        depends = any(nx.has_path(deps, c.wait, m.issue) for c in current)
+        if current and (size + m.nbytes > limit or depends):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(m)
+        size += m.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _dependency_graph(graph: fx.Graph) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        for inp in node.all_input_nodes:
+            g.add_edge(inp, node)
+    return g
+
+
+def _numel(node: fx.Node) -> int:
+    return int(node.meta["val"].numel())
+
+
+def bucket_collectives(
+    gm: fx.GraphModule, *, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
+) -> fx.GraphModule:
+    """Merge gradient all_reduces (replicate), gradient reduce_scatters and parameter all_gathers
+    (fully_shard) into flat buckets.
+
+    Reads: COLLECTIVE meta (per-parameter collectives have a non-empty ``params`` list), the
+    ``div`` before each gradient collective, node.meta["val"]. Writes: per bucket one ``cat`` of
+    the flattened inputs, one division, one collective + ``wait_tensor`` (BUCKET meta = bucket
+    index), and per member a slice + view of the result replacing the member's wait; the
+    per-member collectives are erased. Buckets follow graph order (gradient production order),
+    the first one small so communication starts early, and never merge collectives that depend
+    on each other.
+    """
+    graph = gm.graph
+    cap, first_cap = int(bucket_cap_mb * MB), int(first_bucket_cap_mb * MB)
+    index = 0
+    for target, merge in (
+        (c10d.all_reduce.default, _merge_all_reduce),
+        (c10d.reduce_scatter_tensor.default, _merge_reduce_scatter),
+    ):
+        members = _members(graph, target)
+        if not members:
+            continue
+        deps = _dependency_graph(graph)
+        for bucket in _buckets(members, cap, first_cap, deps):
+            merge(graph, bucket, index)
+            index += 1
+    for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
+        members = [m for m in _members(graph, c10d.all_gather_into_tensor.default)
+                   if m.issue.meta.get(meta.REGION) == region]
+        if not members:
+            continue
+        deps = _dependency_graph(graph)
+        for bucket in _buckets(members, cap, cap, deps):
+            _merge_all_gather(graph, bucket, index)
+            index += 1
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _flatten_cat(graph, bucket, shape_of, dim, like):
+    pieces = [insert_call(graph, aten.reshape.default, (m.source, shape_of(m)),
+                          val=m.source.meta["val"].reshape(shape_of(m)), region=like.meta.get(meta.REGION))
+              for m in bucket]
+    vals = [p.meta["val"] for p in pieces]
+    return insert_call(graph, aten.cat.default, (pieces, dim), val=torch.cat(vals, dim),
+                       region=like.meta.get(meta.REGION))
+
+
+def _bucket_meta(node: fx.Node, index: int, bucket) -> None:
+    node.meta[meta.BUCKET] = index
+    info = node.meta.get(meta.COLLECTIVE)
+    if info is not None:
+        info["params"] = [p for m in bucket for p in node_params(m.issue)]
+
+
+def node_params(node: fx.Node) -> list[str]:
+    return list((node.meta.get(meta.COLLECTIVE) or {}).get("params", []))
+
+
+def _replace_member(graph, m: _Member, new: fx.Node) -> None:
+    m.wait.replace_all_uses_with(new)
+    graph.erase_node(m.wait)
+    graph.erase_node(m.issue)
+    if m.scale is not None and not m.scale.users:
+        graph.erase_node(m.scale)
+
+
+def _merge_all_reduce(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
+    last = bucket[-1].issue
+    group = last.args[2]
+    world = bucket[0].scale.args[1] if bucket[0].scale is not None else 1
+    with graph.inserting_before(last.next):
+        flat = _flatten_cat(graph, bucket, lambda m: [-1], 0, last)
+        if world != 1:
+            flat = insert_call(graph, aten.div.Tensor, (flat, world), like=flat)
+        done = insert_collective(graph, c10d.all_reduce.default, (flat, "sum", group),
+                                 val=flat.meta["val"], region=last.meta.get(meta.REGION),
+                                 kind="all_reduce", params=[p for m in bucket for p in node_params(m.issue)])
+        _bucket_meta(done.args[0], index, bucket)
+        done.meta[meta.BUCKET] = index
+        offset = 0
+        replaced = []
+        for m in bucket:
+            n = _numel(m.source)
+            piece = insert_call(graph, aten.slice.Tensor, (done, 0, offset, offset + n),
+                                val=flat.meta["val"][offset:offset + n], region=done.meta.get(meta.REGION))
+            shaped = insert_call(graph, aten.view.default, (piece, list(m.wait.meta["val"].shape)),
+                                 like=m.wait)
+            for key in (meta.PLACEMENT,):
+                if key in m.wait.meta:
+                    shaped.meta[key] = m.wait.meta[key]
+            offset += n
+            replaced.append((m, shaped))
+    for m, new in replaced:  # after inserting: the members anchor the insertion point
+        _replace_member(graph, m, new)
+
+
+def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
+    last = bucket[-1].issue
+    _, _, world, group = last.args
+    with graph.inserting_before(last.next):
+        flat = _flatten_cat(graph, bucket, lambda m: [world, -1], 1, last)
+        flat = insert_call(graph, aten.view.default, (flat, [-1]),
+                           val=flat.meta["val"].reshape(-1), region=flat.meta.get(meta.REGION))
+        flat = insert_call(graph, aten.div.Tensor, (flat, world), like=flat)
+        total = _numel(flat) // world
+        local_val = flat.meta["val"][:total]
+        done = insert_collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group),
+                                 val=local_val, region=last.meta.get(meta.REGION), kind="reduce_scatter",
+                                 params=[p for m in bucket for p in node_params(m.issue)])
+        _bucket_meta(done.args[0], index, bucket)
+        done.meta[meta.BUCKET] = index
+        offset = 0
+        replaced = []
+        for m in bucket:
+            n = _numel(m.source) // world
+            piece = insert_call(graph, aten.slice.Tensor, (done, 0, offset, offset + n),
+                                val=local_val[offset:offset + n], region=done.meta.get(meta.REGION))
+            shaped = insert_call(graph, aten.view.default, (piece, list(m.wait.meta["val"].shape)),
+                                 like=m.wait)
+            for key, value in m.wait.meta.items():
+                if key not in shaped.meta and key not in ("val", meta.ROLE, meta.COLLECTIVE):
+                    shaped.meta[key] = value
+            offset += n
+            replaced.append((m, shaped))
+    for m, new in replaced:  # after inserting: the members anchor the insertion point
+        _replace_member(graph, m, new)
+
+
+def _merge_all_gather(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
+    first = bucket[0].issue
+    _, world, group = first.args
+    with graph.inserting_before(first):
+        flat = _flatten_cat(graph, bucket, lambda m: [-1], 0, first)
+        total = _numel(flat)
+        gathered_val = flat.meta["val"].new_empty((world * total,))
+        done = insert_collective(graph, c10d.all_gather_into_tensor.default, (flat, world, group),
+                                 val=gathered_val, region=first.meta.get(meta.REGION), kind="all_gather",
+                                 params=[p for m in bucket for p in node_params(m.issue)])
+        _bucket_meta(done.args[0], index, bucket)
+        done.meta[meta.BUCKET] = index
+        rows = insert_call(graph, aten.view.default, (done, [world, total]),
+                           val=gathered_val.view(world, total), region=done.meta.get(meta.REGION))
+        offset = 0
+        replaced = []
+        for m in bucket:
+            n = _numel(m.source)
+            piece = insert_call(graph, aten.slice.Tensor, (rows, 1, offset, offset + n),
+                                val=rows.meta["val"][:, offset:offset + n], region=done.meta.get(meta.REGION))
+            shape = list(m.wait.meta["val"].shape)
+            whole = insert_call(graph, aten.reshape.default, (piece, shape),
+                                val=torch.empty_like(piece.meta["val"]).reshape(shape), like=m.wait)
+            for key, value in m.wait.meta.items():
+                if key not in whole.meta and key not in ("val", meta.ROLE, meta.COLLECTIVE):
+                    whole.meta[key] = value
+            offset += n
+            replaced.append((m, whole))
+    for m, new in replaced:  # after inserting: the members anchor the insertion point
+        _replace_member(graph, m, new)
