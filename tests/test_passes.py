@@ -1,0 +1,141 @@
+"""Unit tests of the expansion and optimization passes on small traced graphs (one process).
+
+The graphs are transformed, not run: each test counts and inspects the nodes a pass writes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from passes import meta
+from passes.bucketing import bucket_collectives
+from passes.collectives import c10d
+from passes.fully_shard import expand_fully_shard, shard_rows
+from passes.overlap import sink_waits
+from passes.replicate import expand_replicate
+from spmd_compiler.tracing import trace_step
+from tests.models import BatchNormMLP, SimpleMLP, train_step
+
+WORLD = 3
+
+def _traced(model=None, opt_cls=torch.optim.SGD, clip=False, **opt_kwargs):
+    torch.manual_seed(0)
+    model = model or SimpleMLP()
+    opt = opt_cls(model.parameters(), lr=0.1, **opt_kwargs)
+
+    def step(model, optim, batch):
+        optim.zero_grad()
+        x, y = batch
+        loss = (model(x) - y).sum()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        return loss
+
+    batch = (torch.randn(16, 50), torch.randn(16, 8))
+    return trace_step(step if clip else train_step, (model, opt, batch), {})
+
+def _calls(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
+
+def _order(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+def test_replicate_averages_every_gradient_before_the_optimizer_reads_it():
+    tr = _traced()
+    grads = {n.meta[meta.PARAM_FQN]: n for n in tr.gm.graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD}
+    gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
+    reduces = _calls(gm, c10d.all_reduce.default)
+    assert len(reduces) == len(grads) == 4
+    for r in reduces:
+        scaled = r.args[0]
+        assert scaled.target is torch.ops.aten.div.Tensor and scaled.args[1] == WORLD
+        assert scaled.args[0] is grads[r.meta[meta.COLLECTIVE]["params"][0]]
+        assert r.args[1:] == ("sum", "g")
+    for fqn, g in grads.items():  # the local gradient feeds only the division now
+        assert [u.target for u in g.users] == [torch.ops.aten.div.Tensor], fqn
+    gm.graph.lint()
+
+def test_replicate_broadcasts_buffers_from_rank0_first():
+    tr = _traced(BatchNormMLP())
+    gm = expand_replicate(tr.gm, group_name="g", world_size=2)
+    casts = _calls(gm, c10d.broadcast.default)
+    buffers = [n for n in gm.graph.nodes if n.meta.get(meta.ROLE) == meta.Role.BUFFER]
+    assert {c.args[0] for c in casts} == set(buffers) and all(c.args[1] == 0 for c in casts)
+    first_compute = next(n for n in gm.graph.nodes if n.op != "placeholder"
+                         and n.meta.get(meta.ROLE) != meta.Role.COLLECTIVE
+                         and n.target is not torch.ops.aten.copy_.default)
+    order = _order(gm)
+    assert all(order[c] < order[first_compute] for c in casts)
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fully_shard_gathers_and_reduce_scatters(reshard):
+    tr = _traced()
+    gm = expand_fully_shard(tr.gm, group_name="g", world_size=WORLD, reshard_after_forward=reshard)
+    gathers = _calls(gm, c10d.all_gather_into_tensor.default)
+    scatters = _calls(gm, c10d.reduce_scatter_tensor.default)
+    assert len(scatters) == 4 and not _calls(gm, c10d.all_reduce.default)
+    # net2.weight is needed again in the backward (input gradient of net2); net1's is not.
+    assert len(gathers) == (5 if reshard else 4)
+    regions = sorted(g.meta[meta.REGION].value for g in gathers)
+    assert regions.count("backward") == (1 if reshard else 0)
+    for node in gm.graph.nodes:  # placeholders became padded dim-0 shards
+        if node.meta.get(meta.ROLE) == meta.Role.PARAM:
+            full = {"net1.weight": (32, 50), "net1.bias": (32,), "net2.weight": (8, 32), "net2.bias": (8,)}[
+                node.meta[meta.PARAM_FQN]]
+            assert tuple(node.meta["val"].shape) == (shard_rows(full[0], WORLD),) + full[1:]
+    # 8 rows over 3 ranks pad to 9: the gathered net2.bias is narrowed back to 8 rows.
+    narrowed = [n for n in gm.graph.nodes if n.target is torch.ops.aten.slice.Tensor and n.args[3] == 8]
+    assert narrowed
+    gm.graph.lint()
+
+def test_fully_shard_completes_gradient_norm_over_shards():
+    tr = _traced(clip=True)
+    gm = expand_fully_shard(tr.gm, group_name="g", world_size=WORLD)
+    reduces = _calls(gm, c10d.all_reduce.default)
+    assert reduces, "clip_grad_norm_ over shards needs all_reduces"
+    for r in reduces:  # scalars only: sums of squared per-shard norms, never full gradients
+        assert r.args[0].meta["val"].numel() == 1 and r.args[1] == "sum"
+        assert r.args[0].target is torch.ops.aten.pow.Tensor_Scalar and r.args[0].args[1] == 2.0
+
+def test_bucketing_merges_gradients_in_production_order_with_a_small_first_bucket():
+    tr = _traced(opt_cls=torch.optim.Adam)
+    gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
+    produced = [n.meta[meta.COLLECTIVE]["params"][0] for n in _calls(gm, c10d.all_reduce.default)]
+    # net2's grads (1.1 KiB) fill a tiny first bucket; net1's (6.4 KiB) go to the next.
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    reduces = _calls(gm, c10d.all_reduce.default)
+    assert [r.meta[meta.COLLECTIVE]["params"] for r in reduces] == [produced[:2], produced[2:]]
+    assert [r.args[0].meta["val"].numel() for r in reduces] == [8 + 256, 32 + 1600]
+    assert [r.meta[meta.BUCKET] for r in reduces] == [0, 1]
+    gm.graph.lint()
+
+def test_bucketing_fully_shard_packs_shards_per_rank():
+    tr = _traced()
+    gm = expand_fully_shard(tr.gm, group_name="g", world_size=WORLD)
+    gm = bucket_collectives(gm)
+    scatters = _calls(gm, c10d.reduce_scatter_tensor.default)
+    gathers = _calls(gm, c10d.all_gather_into_tensor.default)
+    assert len(scatters) == 1 and len(gathers) == 2  # forward bucket, backward re-gather
+    rows = {"net1.weight": 11 * 50, "net1.bias": 11, "net2.weight": 3 * 32, "net2.bias": 3}
+    assert scatters[0].args[0].meta["val"].numel() == WORLD * sum(rows.values())
+    assert gathers[0].args[0].meta["val"].numel() == sum(rows.values())
+
+def test_sink_waits_moves_each_wait_to_its_first_user():
+    tr = _traced()
+    gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
+    gm = sink_waits(gm)
+    order = _order(gm)
+    waits = _calls(gm, c10d.wait_tensor.default)
+    assert waits
+    for w in waits:
+        first = min(w.users, key=order.__getitem__)
+        assert w.next is first
+        assert order[w.args[0]] < order[w]
+    issues = [w.args[0] for w in waits]
+    # Issued in the backward, waited in the optimizer: the rest of the backward overlaps.
+    assert any(i.meta[meta.REGION] == meta.Region.BACKWARD and w.next.meta[meta.REGION] == meta.Region.OPTIMIZER
+               for i, w in zip(issues, waits))
+    gm.graph.lint()
