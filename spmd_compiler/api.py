@@ -101,7 +101,8 @@ class CompiledStep:
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
         """Build the graph, check that every rank built the same, then place the live state."""
         try:
-            gm, traced, guard_code, seconds = self._build(sa, mesh, key)
+            gm, traced, guard_code, seconds = self._build(
+                sa, mesh.get_group().group_name, mesh.size(), key)
             description = describe_program(gm, sa, guard_code)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
@@ -131,9 +132,9 @@ class CompiledStep:
         )
         return entry
 
-    def _build(self, sa: StepArgs, mesh, key: tuple):
+    def _build(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None):
         """Trace, analyze, expand, optimize and lower the step; touches no live state."""
-        if self._last_key is not None:
+        if self._last_key is not None and key is not None:
             _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
         fully_shard = self.parallel_mode.parallel_style == "fully_shard"
         seconds: dict[str, float] = {}
@@ -163,17 +164,16 @@ class CompiledStep:
         stage("analyzed", traced.gm, t)
 
         t = time.perf_counter()
-        group = mesh.get_group()
         mode = self.parallel_mode
         if fully_shard:
             gm = expand_fully_shard(
-                traced.gm, group_name=group.group_name, world_size=mesh.size(),
+                traced.gm, group_name=group_name, world_size=world_size,
                 reshard_after_forward=mode.reshard_after_forward,
                 broadcast_buffers=mode.broadcast_buffers,
             )
         else:
             gm = expand_replicate(
-                traced.gm, group_name=group.group_name, world_size=mesh.size(),
+                traced.gm, group_name=group_name, world_size=world_size,
                 broadcast_buffers=mode.broadcast_buffers,
             )
         if not single:
@@ -194,6 +194,31 @@ class CompiledStep:
         traced.gm = gm  # backend "eager": the FX graph's generated Python runs as is
         stage("lowered", gm, t)
         return gm, traced, guard_code, seconds
+
+
+def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = None,
+            world_size: int | None = None, dump_dir: str | None = None, **kwargs):
+    """Compile ``train_step(*args, **kwargs)`` without running it or touching the model and
+    optimizer; return the summary (``visualize.Summary``; ``.to_text()`` for the tables).
+
+    Under an initialized process group the world size is the group's; otherwise give
+    ``world_size`` (default 2) to see what the step would do at that size.
+    """
+    from .visualize import summarize, write_summary
+
+    step = train_step if isinstance(train_step, CompiledStep) else CompiledStep(
+        train_step, parallel_mode or DataParallel("replicate"), dump_dir=dump_dir)
+    if dist.is_available() and dist.is_initialized():
+        group = default_mesh(torch.device("cpu")).get_group()
+        group_name, world = group.group_name, dist.get_world_size()
+    else:
+        group_name, world = "explain", world_size or 2
+    sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim)
+    gm, _, _, seconds = step._build(sa, group_name, world, None)
+    summary = summarize(gm, compile_times=seconds)
+    if step.dump_dir:
+        write_summary(summary, step.dump_dir)
+    return summary
 
 
 def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:

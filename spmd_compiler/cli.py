@@ -134,7 +134,30 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder for per-stage graph dumps (default: a new temporary folder)")
     d.add_argument("--tolerance", type=float, default=1e-5,
                    help="max allowed |param - DDP param| (default 1e-5)")
+    e = sub.add_parser("explain", help="compile the demo model's step without running it and "
+                                         "print what the compiler did (no processes, no training)")
+    e.add_argument("--mode", default="fully_shard", choices=["replicate", "fully_shard"],
+                   help="parallel style (default fully_shard)")
+    e.add_argument("--world-size", type=int, default=2, help="world size to compile for (default 2)")
+    e.add_argument("--batch", type=int, default=32, help="local batch size (default 32)")
+    e.add_argument("--dump-dir", default=None, help="also write every stage's graph and the summary here")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args)
-    return 2
+    return explain_demo(args)
+
+
+def explain_demo(args: argparse.Namespace) -> int:
+    """Print the summary of the demo step compiled for ``args.mode`` at ``args.world_size``."""
+    from spmd_compiler import DataParallel, explain
+
+    model = DemoMLP()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = (torch.randn(args.batch, 50), torch.rand(args.batch, 8))
+    summary = explain(demo_train_step, model, optim, batch, parallel_mode=DataParallel(args.mode),
+                      world_size=args.world_size, dump_dir=args.dump_dir)
+    print(f"DataParallel({args.mode!r}) at world size {args.world_size}, local batch {args.batch}:\n")
+    print(summary.to_text())
+    if args.dump_dir:
+        print(f"\ngraph dumps: {args.dump_dir}")
+    return 0
