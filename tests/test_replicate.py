@@ -257,13 +257,24 @@ def parity_job(names: list[str]) -> dict[str, dict]:
 # Tests
 # --------------------------------------------------------------------------------------------------
 
-_REPORTS: dict[int, list[dict]] = {}  # world size -> per-rank reports of every case
+# world size -> per-rank reports of every case, or the exception the job raised (a failed or hung
+# job is run once per world size, not once per case)
+_REPORTS: dict[int, list[dict] | BaseException] = {}
 
 
 def _reports(pool) -> list[dict]:
     if pool.world_size not in _REPORTS:
-        _REPORTS[pool.world_size] = pool.run(parity_job, list(CASES), timeout=600)
-    return _REPORTS[pool.world_size]
+        try:
+            _REPORTS[pool.world_size] = pool.run(parity_job, list(CASES), timeout=600)
+        except Exception as e:
+            _REPORTS[pool.world_size] = e
+            raise
+    result = _REPORTS[pool.world_size]
+    if isinstance(result, BaseException):
+        raise AssertionError(
+            f"the parity job at world size {pool.world_size} failed: {result!r}"
+        ) from result
+    return result
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
