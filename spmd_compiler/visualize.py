@@ -578,7 +578,9 @@ def collapsed_to_dot(gm: fx.GraphModule, title: str = "", *,
     for (a, b), shapes in edges.items():
         distinct = [s for s in dict.fromkeys(shapes) if s]
         g.edge(a, b, label=_short_list(distinct, 2), penwidth=str(min(1 + len(shapes) / 4, 4)))
-    _add_legend(g, [])
+    drawn_roles = {r for grp in groups.values() for r in grp["roles"]
+                   if r in ("collective",) + tuple(_PLACEHOLDER_GROUPS)}
+    _add_legend(g, [r for r in ROLE_STYLES if r in drawn_roles])
     return g
 
 
