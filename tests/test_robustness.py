@@ -67,6 +67,18 @@ class DropoutMLP(nn.Module):
         return self.net2(self.drop(torch.relu(self.net1(x))))
 
 
+class SmallConvNet(nn.Module):
+    """Conv2d -> ReLU -> Flatten -> Linear on (b, 3, 5, 5) inputs, (b, 3) outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.relu(self.conv(x)), 1))
+
+
 def constants_step(model, optim, batch):
     """The batch carries a number and a string besides the tensors; the step returns the string."""
     optim.zero_grad()
@@ -428,6 +440,15 @@ def case_flat_grad_norm(rep, mode):
                stop_on_error=True)
 
 
+def case_batch_of_one_then_larger(rep, mode):
+    """A conv net whose first call has a local batch of one (the trace specializes the batch size
+    to 1), then batches of 3: must recompile (or generalize) and match DDP."""
+    from tests.models import mse_step
+
+    batches = [rank_data(400 + i, (b, 3, 5, 5), (b, 3)) for i, b in enumerate((1, 3, 3))]
+    parity_run(rep, mode, SmallConvNet, _sgd, mse_step, batches)
+
+
 def case_returns_none(rep, mode):
     parity_run(rep, mode, SimpleMLP, _sgd_momentum, returns_none_step, [xy(i) for i in range(3)])
 
@@ -552,6 +573,7 @@ CATALOGUE = {
     "frozen_param": (case_frozen_param, BOTH),
     "frozen_param_in_optimizer": (case_frozen_param_in_optimizer, REP),
     "returns_none": (case_returns_none, FS),
+    "batch_of_one_then_larger": (case_batch_of_one_then_larger, REP),
     "flat_grad_norm": (case_flat_grad_norm, BOTH),
     "eager_then_compiled": (case_eager_then_compiled, BOTH),
     "compiled_then_eager": (case_compiled_then_eager, BOTH),
@@ -893,6 +915,15 @@ def test_flat_grad_norm_fully_shard_computes_or_names_the_line(pool, mode):
         step, name, msg, _ = raised
         assert __file__ in msg and f"line {_flat_norm_line()}" in msg, raised
         assert rep["facts"]["untouched"] == [], rep["facts"]["untouched"]
+
+
+@runs("batch_of_one_then_larger")
+@pytest.mark.xfail(strict=True, reason="a graph traced for a local batch of one has the size 1 "
+                   "baked in (view/expand to [1, ...]) but its guard expression omits the "
+                   "specialization, so a later batch of 3 reuses it and fails inside the graph")
+def test_batch_of_one_graph_is_not_reused_for_larger_batches(pool, mode):
+    for rep in _case(pool, "batch_of_one_then_larger", mode):
+        assert rep["facts"]["counts"][-1] == 2, rep["facts"]["counts"]
 
 
 @runs("returns_none")
