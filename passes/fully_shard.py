@@ -30,6 +30,10 @@ _VIEW_OR_CAST = {
 }
 
 
+class ShardingError(Exception):
+    """The step does something to parameter / optimizer-state shards that sharding would change."""
+
+
 LOGICAL_SHAPE = "spmd_fully_shard_logical_shape"  # private to this pass: a shard's unsharded shape
 
 
@@ -239,7 +243,7 @@ def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) 
             first = outs[0] if outs and getattr(outs[0], "shape", None) is not None else None
             sharded[node] = tuple(first.shape) if first is not None else next(iter(logical))
             continue
-        raise ValueError(
+        raise ShardingError(
             f"fully_shard: {node.target} in the optimizer region turns a parameter/optimizer-state "
             f"shard into a value of another shape ({node.format_node()}); only elementwise "
             f"updates and norm / sum / max reductions can run on shards. "

@@ -21,12 +21,19 @@ from passes import batch_dim
 from passes.bucketing import bucket_collectives
 from passes.cleanup import eliminate_dead_code
 from passes.overlap import sink_waits
-from passes.fully_shard import expand_fully_shard
+from passes.fully_shard import ShardingError, expand_fully_shard
 from passes.replicate import expand_replicate
 
-from .errors import BatchDimError, NoProcessGroupError, SPMDError
+from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import DataParallel
-from .consistency import agree_on_compile, agree_on_program, describe_program
+from .consistency import (
+    CACHED,
+    COMPILE,
+    COMPILE_FAILED,
+    agree_on_compile,
+    agree_on_program,
+    describe_program,
+)
 from .runtime import CompiledGraph, default_mesh, module_device, place_state
 from .tracing import LIFTED_HPARAMS, StepArgs, split_step_args, trace_step
 
@@ -81,7 +88,12 @@ class CompiledStep:
                 "torch.distributed.init_process_group(...) first (e.g. launch with torchrun, "
                 "backend 'gloo' on CPU or 'nccl' on CUDA)."
             )
-        sa = split_step_args(args, kwargs, self.parallel_mode.input_batch_dim)
+        try:
+            sa = split_step_args(args, kwargs, self.parallel_mode.input_batch_dim)
+        except SPMDError as e:
+            if self.check_ranks:  # the other ranks must not wait for this one in a collective
+                agree_on_compile(COMPILE_FAILED, 0, str(e), default_mesh(_device_of(args, kwargs)).get_group(), e)
+            raise
         mesh = default_mesh(module_device(sa.module))
         key = step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
@@ -90,7 +102,7 @@ class CompiledStep:
             batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
                           if d is not None), 0)
             reason = "" if entry else (_why(self._last_key, key) if self._last_key else "first call")
-            agree_on_compile(entry is None, batch, reason, mesh.get_group())
+            agree_on_compile(CACHED if entry else COMPILE, batch, reason, mesh.get_group())
         if entry is None:
             entry = self._compile(sa, mesh, key)
         with torch.no_grad():
@@ -153,31 +165,26 @@ class CompiledStep:
         stage("traced", traced.gm, t)
 
         t = time.perf_counter()
-        # A batch of one specializes the batch size to the constant 1, leaving no symbol to
-        # propagate; the collectives come from the gradient roles, so the step is still right.
-        single = any(sa.leaves[i].shape[d] == 1 for i, d in zip(sa.input_indices, sa.batch_dims)
-                     if d is not None)
-        if single:
-            _info("spmd_compiler: local batch of one: placements not analyzed for this graph")
-        else:
-            analyze(traced.gm)
+        analyze(traced.gm)
         stage("analyzed", traced.gm, t)
 
         t = time.perf_counter()
         mode = self.parallel_mode
         if fully_shard:
-            gm = expand_fully_shard(
-                traced.gm, group_name=group_name, world_size=world_size,
-                reshard_after_forward=mode.reshard_after_forward,
-                broadcast_buffers=mode.broadcast_buffers,
-            )
+            try:
+                gm = expand_fully_shard(
+                    traced.gm, group_name=group_name, world_size=world_size,
+                    reshard_after_forward=mode.reshard_after_forward,
+                    broadcast_buffers=mode.broadcast_buffers,
+                )
+            except ShardingError as e:
+                raise UnsupportedError(str(e)) from e
         else:
             gm = expand_replicate(
                 traced.gm, group_name=group_name, world_size=world_size,
                 broadcast_buffers=mode.broadcast_buffers,
             )
-        if not single:
-            analyze(gm)
+        analyze(gm)
         stage("expanded", gm, t)
 
         for name, run in optimization_passes(mode):
@@ -253,6 +260,18 @@ def summary_text(step: CompiledStep) -> str | None:
     if step.last_compiled is None:
         return None
     return entry_summary(step.last_compiled).to_text()
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    """The device of the first module or tensor among the arguments (for the error path)."""
+    import torch.utils._pytree as pytree
+
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.nn.Module):
+            return module_device(leaf)
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
 
 
 def _hashable(x: Any) -> Any:

@@ -30,24 +30,39 @@ class RankMismatchError(SPMDError):
     """Ranks disagree about the program they run (or one of them failed to compile it)."""
 
 
-def agree_on_compile(needs_compile: bool, batch_size: int, reason: str, group) -> None:
-    """All ranks must agree on whether this call compiles; raise the same error on all if not."""
+CACHED, COMPILE, COMPILE_FAILED = 0, 1, 2  # what a rank is about to do with this call
+
+
+def agree_on_compile(status: int, batch_size: int, reason: str, group,
+                     error: Exception | None = None) -> None:
+    """All ranks must agree on whether this call compiles; raise the same error on all if not.
+
+    ``status`` is CACHED, COMPILE or COMPILE_FAILED (this rank rejected its arguments: it
+    re-raises ``error`` after telling the others, who raise a RankMismatchError naming it).
+    """
     world = dist.get_world_size(group)
     if world == 1:
         return
-    mine = torch.tensor([int(needs_compile), batch_size], dtype=torch.int64)
+    mine = torch.tensor([status, batch_size], dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
+    if error is not None:
+        raise error
     flags = [int(t[0]) for t in everyone]
+    failed = [r for r, f in enumerate(flags) if f == COMPILE_FAILED]
+    if failed:
+        raise RankMismatchError(
+            f"ranks {failed} rejected their step arguments (see the error raised there); this "
+            f"rank stops too instead of waiting for them in a collective."
+        )
     if 0 < sum(flags) < world:
         compiling = [r for r, f in enumerate(flags) if f]
         sizes = ", ".join(f"rank {r}: {int(t[1])}" for r, t in enumerate(everyone))
         raise RankMismatchError(
             f"ranks {compiling} need to recompile this step and the others do not, so they would "
             f"run different programs. Local batch sizes: {sizes}. This rank: "
-            f"{'recompile (' + reason + ')' if needs_compile else 'cached graph'}. Give every "
-            f"rank inputs of the same structure, dtype and shape class (e.g. drop or pad the "
-            f"last short batch on every rank alike, or use a batch of at least 2)."
+            f"{'recompile (' + reason + ')' if status else 'cached graph'}. Give every rank "
+            f"inputs of the same structure, dtype, requires_grad and non-batch shape."
         )
 
 

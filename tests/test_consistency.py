@@ -63,22 +63,24 @@ def _failing_compile_on_rank0():
     return _outcome(lambda: step(model, opt, _batch(8)))
 
 
-def _batch_outside_guards_on_rank1():
+def _input_change_on_rank1():
     torch.manual_seed(0)
     model = SimpleMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = spmd_compile(DataParallel("replicate"))(train_step)
     for b in (8, 8):  # compile the state-creating and the steady graph on every rank
         step(model, opt, _batch(b))
-    # A batch of one falls outside the guards (it specializes the batch size): only rank 1.
-    return _outcome(lambda: step(model, opt, _batch(1 if dist.get_rank() == 1 else 8)))
+    # Only rank 1 passes an input that requires grad: a new compile there, the cached graph
+    # elsewhere.
+    x, y = _batch(8)
+    return _outcome(lambda: step(model, opt, (x.requires_grad_(dist.get_rank() == 1), y)))
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
 @pytest.mark.parametrize("job, words", [
     (_different_model_on_rank1, ["parameters", "ranks [1]"]),
     (_different_optimizer_config_on_last_rank, ["optimizer"]),
-    (_batch_outside_guards_on_rank1, ["recompile", "rank 1: 1"]),
+    (_input_change_on_rank1, ["ranks [1] need to recompile", "inputs"]),
 ])
 def test_mismatch_raises_on_every_rank(pool, job, words):
     results = pool.run(job, timeout=120)
