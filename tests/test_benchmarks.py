@@ -13,6 +13,8 @@ import pytest
 
 from benchmarks.models import MODELS, param_count
 
+pytestmark = pytest.mark.multirank  # real gloo ranks, in a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ["ddp", "fsdp2", "spmd_replicate", "compute", "comm"]
 WORLD = 2
