@@ -133,16 +133,30 @@ class CompiledStep:
         seconds["placed state"] = time.perf_counter() - start
         self.last_compile_seconds = sum(seconds.values())
         self.last_compiled = entry
-        if self.dump_dir:
+        dump_dir = self._dump_dir_for_compile(self.compile_count - 1)
+        if dump_dir:
             from .visualize import write_summary
 
-            write_summary(entry_summary(entry), self.dump_dir)
+            write_summary(entry_summary(entry), dump_dir)
+            write_summary(entry_summary(entry), self.dump_dir)  # the latest, at the top level
         _info(
             "spmd_compiler: compiled %s (%s, %d nodes) in %.2fs",
             self.__name__, self.parallel_mode.parallel_style, len(gm.graph.nodes),
             self.last_compile_seconds,
         )
         return entry
+
+    def _dump_dir_for_compile(self, index: int | None = None) -> str | None:
+        """``<dump_dir>/compile_<n>`` for the n-th compile, on rank 0 only (every rank with
+        SPMD_LOG_ALL_RANKS, in ``rank_<r>`` subfolders)."""
+        if not self.dump_dir:
+            return None
+        index = self.compile_count if index is None else index
+        if not dist.is_initialized():
+            return os.path.join(self.dump_dir, f"compile_{index}")
+        if os.environ.get("SPMD_LOG_ALL_RANKS"):
+            return os.path.join(self.dump_dir, f"rank_{dist.get_rank()}", f"compile_{index}")
+        return os.path.join(self.dump_dir, f"compile_{index}") if dist.get_rank() == 0 else None
 
     def _build(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None):
         """Trace, analyze, expand, optimize and lower the step; touches no live state."""
@@ -151,13 +165,14 @@ class CompiledStep:
         fully_shard = self.parallel_mode.parallel_style == "fully_shard"
         seconds: dict[str, float] = {}
         dump_index = [0]
+        dump_dir = self._dump_dir_for_compile()
 
         def stage(name: str, gm: torch.fx.GraphModule, started: float) -> None:
             seconds[name] = time.perf_counter() - started
-            if self.dump_dir:
+            if dump_dir:
                 from .visualize import dump_stage
 
-                dump_stage(gm, name, self.dump_dir, index=dump_index[0])
+                dump_stage(gm, name, dump_dir, index=dump_index[0])
                 dump_index[0] += 1
 
         t = time.perf_counter()

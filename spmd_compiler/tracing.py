@@ -387,11 +387,13 @@ def trace_step(
     # make_fx keeps only frames of `forward` methods in node stack traces; anchor the step itself
     # too, so nodes recorded in the step's own lines (grad clipping, loss code) name them.
     _register_stack_trace_anchor(getattr(fn, "__wrapped__", fn))
+    stateless_step._orig_mod = module  # nn_module_stack paths relative to the model
     try:
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            gm = make_fx(stateless_step, tracing_mode="symbolic", record_stack_traces=True)(
+            gm = make_fx(stateless_step, tracing_mode="symbolic", record_stack_traces=True,
+                         record_module_stack=True)(
                 *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
                 *fake_inputs,
             )

@@ -25,8 +25,10 @@ def test_demo_trains_both_modes_like_ddp_and_writes_dumps(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     for mode in ("replicate", "fully_shard"):
         assert f"{mode}" in out.stdout and "-> OK" in out.stdout
-        dumps = {p.name for p in (tmp_path / mode).iterdir()}
-        assert "summary.txt" in dumps and any(name.endswith("_traced.dot") for name in dumps)
+        top = {p.name for p in (tmp_path / mode).iterdir()}
+        first = {p.name for p in (tmp_path / mode / "compile_0").iterdir()}
+        assert "summary.txt" in top and "summary.txt" in first
+        assert any(name.endswith("_traced.dot") for name in first)
     assert "collectives per step" in out.stdout
 
 
