@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -46,7 +45,7 @@ def _members(graph: fx.Graph, target) -> list[_Member]:
     return out
 
 
-def _buckets(members: list[_Member], cap: int, first_cap: int, deps: nx.DiGraph) -> list[list[_Member]]:
+def _buckets(members: list[_Member], cap: int, first_cap: int, depends_on) -> list[list[_Member]]:
     """Consecutive members (graph order) up to ``cap`` bytes (``first_cap`` for the first bucket);
     a member whose input depends on an earlier member's result starts a new bucket."""
     buckets: list[list[_Member]] = []
@@ -54,8 +53,7 @@ def _buckets(members: list[_Member], cap: int, first_cap: int, deps: nx.DiGraph)
     size = 0
     for m in members:
         limit = first_cap if not buckets else cap
-        depends = any(nx.has_path(deps, c.wait, m.issue) for c in current)
-        if current and (size + m.nbytes > limit or depends):
+        if current and (size + m.nbytes > limit or depends_on(m, current)):
             buckets.append(current)
             current, size = [], 0
         current.append(m)
@@ -65,12 +63,24 @@ def _buckets(members: list[_Member], cap: int, first_cap: int, deps: nx.DiGraph)
     return buckets
 
 
-def _dependency_graph(graph: fx.Graph) -> nx.DiGraph:
-    g = nx.DiGraph()
+def _dependency_check(graph: fx.Graph, members: list[_Member]):
+    """``depends_on(m, others)``: does ``m``'s collective read the result of one of ``others``?
+
+    One pass in graph order gives every node the set of member waits it (transitively) reads,
+    as a bit mask, instead of a graph search per pair.
+    """
+    bit = {m.wait: 1 << i for i, m in enumerate(members)}
+    reads: dict[fx.Node, int] = {}
     for node in graph.nodes:
+        mask = bit.get(node, 0)
         for inp in node.all_input_nodes:
-            g.add_edge(inp, node)
-    return g
+            mask |= reads.get(inp, 0)
+        reads[node] = mask
+
+    def depends_on(m: _Member, others: list[_Member]) -> bool:
+        return bool(reads[m.issue] & sum(bit[o.wait] for o in others))
+
+    return depends_on
 
 
 def _numel(node: fx.Node) -> int:
@@ -101,8 +111,7 @@ def bucket_collectives(
         members = _members(graph, target)
         if not members:
             continue
-        deps = _dependency_graph(graph)
-        for bucket in _buckets(members, cap, first_cap, deps):
+        for bucket in _buckets(members, cap, first_cap, _dependency_check(graph, members)):
             merge(graph, bucket, index)
             index += 1
     for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
@@ -110,8 +119,7 @@ def bucket_collectives(
                    if m.issue.meta.get(meta.REGION) == region]
         if not members:
             continue
-        deps = _dependency_graph(graph)
-        for bucket in _buckets(members, cap, cap, deps):
+        for bucket in _buckets(members, cap, cap, _dependency_check(graph, members)):
             _merge_all_gather(graph, bucket, index)
             index += 1
     graph.eliminate_dead_code()

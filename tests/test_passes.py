@@ -139,3 +139,30 @@ def test_sink_waits_moves_each_wait_to_its_first_user():
     assert any(i.meta[meta.REGION] == meta.Region.BACKWARD and w.next.meta[meta.REGION] == meta.Region.OPTIMIZER
                for i, w in zip(issues, waits))
     gm.graph.lint()
+
+
+def test_bucketing_never_merges_a_collective_with_one_it_depends_on():
+    """b's input reads a's averaged result, so a and b must stay separate collectives."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+
+    def averaged(t, fqn):
+        scaled = graph.call_function(torch.ops.aten.div.Tensor, (t, 2))
+        scaled.meta["val"] = torch.empty(4)
+        issue = graph.call_function(c10d.all_reduce.default, (scaled, "sum", "g"))
+        issue.meta.update({"val": torch.empty(4), meta.COLLECTIVE: dict(kind="all_reduce", bytes=16, params=[fqn])})
+        wait = graph.call_function(c10d.wait_tensor.default, (issue,))
+        wait.meta["val"] = torch.empty(4)
+        return wait
+
+    a = averaged(x, "a")
+    shifted = graph.call_function(torch.ops.aten.add.Tensor, (a, 1))
+    shifted.meta["val"] = torch.empty(4)
+    b = averaged(shifted, "b")
+    c = averaged(x, "c")
+    graph.output((b, c))
+    gm = bucket_collectives(torch.fx.GraphModule(torch.nn.Module(), graph))
+    groups = [r.meta[meta.COLLECTIVE]["params"] for r in _calls(gm, c10d.all_reduce.default)]
+    assert groups == [["a"], ["b", "c"]]
+    gm.graph.lint()
