@@ -40,7 +40,9 @@ MAX_EXAMPLES = 8  # per world size
 mlp_specs = st.fixed_dictionaries({
     "kind": st.just("mlp"),
     "in_features": st.integers(1, 12),
-    "widths": st.lists(st.integers(1, 17), min_size=0, max_size=3),
+    # Hidden widths from 2: a width-1 hidden layer with a local batch of one is a known failure
+    # (test_width_one_hidden_layer_with_batch_of_one below).
+    "widths": st.lists(st.integers(2, 17), min_size=0, max_size=3),
     "out_features": st.integers(1, 6),
     "activation": st.sampled_from(["tanh", "relu", "sigmoid"]),
     "bias": st.booleans(),
@@ -76,9 +78,7 @@ adams = st.tuples(
 )
 examples = st.fixed_dictionaries({
     "model": st.one_of(mlp_specs, mlp_specs, conv_specs),
-    # A batch of one only as the last step: a graph traced for a batch of one is reused for
-    # larger batches (tests/test_robustness.py::test_batch_of_one_graph_is_not_reused_...).
-    "batches": st.tuples(*[st.integers(2, 9)] * (STEPS - 1), st.integers(1, 9)).map(list),
+    "batches": st.lists(st.integers(1, 9), min_size=STEPS, max_size=STEPS),
     "optimizer": st.one_of(sgd, sgd_nesterov, adams),
     "mode": st.sampled_from(["replicate", "fully_shard"]),
     "seed": st.integers(0, 2**16),
@@ -192,3 +192,21 @@ def test_random_models_match_ddp(pool, example):
             f"rank {rank} (world size {pool.world_size}) differs from DDP for {example}:\n  "
             + "\n  ".join(res["problems"][:20])
         )
+
+
+WIDTH_ONE = {
+    "model": {"kind": "mlp", "in_features": 7, "widths": [1], "out_features": 6,
+              "activation": "relu", "bias": False},
+    "batches": [6, 6, 1],
+    "optimizer": ("SGD", {"lr": 0.01, "momentum": 0.9}),
+    "seed": 218,
+}
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+@pytest.mark.xfail(strict=True, reason="a hidden layer of width 1 with a local batch of one "
+                   "specializes the batch size to 1: BatchDimError 'the input's batch size was "
+                   "specialized to 1', although DDP trains it")
+def test_width_one_hidden_layer_with_batch_of_one(pool2, mode):
+    for rank, res in enumerate(pool2.run(parity_example, dict(WIDTH_ONE, mode=mode))):
+        assert not res["problems"], f"rank {rank}: {res['problems'][:10]}"
