@@ -868,7 +868,7 @@ def test_untested_optimizer_matches_ddp(pool, mode, case):
 def test_optimizer_reading_item_matches_or_raises_and_changes_nothing(pool, mode, case):
     """RAdam / ASGD: the first call (which creates the state, the step count still a constant)
     compiles and matches DDP; the second call's recompile hits the ``.item()`` and raises a
-    TraceError naming ``optim.step()``. Rprop: matches DDP in replicate; in fully_shard its masked
+    TraceError naming ``optim.step()`` (or an UnsupportedError naming the optimizer). Rprop: matches DDP in replicate; in fully_shard its masked
     update raises a BatchDimError naming ``optim.step()``. Either way the failed call leaves the
     state as it was."""
     for rep in _case(pool, case, mode):
@@ -876,7 +876,8 @@ def test_optimizer_reading_item_matches_or_raises_and_changes_nothing(pool, mode
         if raised is None:
             continue  # every step matched DDP (checked by _case)
         step, name, msg, _ = raised
-        assert "optim.step()" in msg, raised  # names the line that failed
+        # Names the line that failed, or the optimizer.
+        assert "optim.step()" in msg or case.rsplit("_", 1)[-1] in msg, raised  # names the line that failed
         assert rep["facts"]["untouched"] == [], rep["facts"]["untouched"]
 
 
