@@ -400,6 +400,17 @@ def trace_step(
     except SPMDError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a TraceError
+        optimizer_frames = [f for f in traceback.extract_tb(e.__traceback__)
+                            if os.sep + os.path.join("torch", "optim") + os.sep in f.filename]
+        if optimizer_frames:
+            names = ", ".join(sorted({type(o).__name__ for o in sa.optimizers}))
+            f = optimizer_frames[-1]
+            raise UnsupportedError(
+                f"the optimizer's step ({names}) cannot be recorded as a graph: it failed at "
+                f"{os.path.basename(f.filename)}:{f.lineno} ({f.line}) with "
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}. "
+                f"Supported and tested: SGD, Adam, AdamW (default, foreach, fused)."
+            ) from e
         raise TraceError(_describe_trace_failure(e)) from e
 
     remove_profiler_nodes(gm)
