@@ -868,7 +868,7 @@ def test_untested_optimizer_matches_ddp(pool, mode, case):
 def test_optimizer_reading_item_matches_or_raises_and_changes_nothing(pool, mode, case):
     """RAdam / ASGD: the first call (which creates the state, the step count still a constant)
     compiles and matches DDP; the second call's recompile hits the ``.item()`` and raises a
-    TraceError naming ``optim.step()`` (or an UnsupportedError naming the optimizer). Rprop: matches DDP in replicate; in fully_shard its masked
+    UnsupportedError naming the optimizer. Rprop: matches DDP in replicate; in fully_shard its masked
     update raises a BatchDimError naming ``optim.step()``. Either way the failed call leaves the
     state as it was."""
     for rep in _case(pool, case, mode):
@@ -882,10 +882,8 @@ def test_optimizer_reading_item_matches_or_raises_and_changes_nothing(pool, mode
 
 
 @runs("item_optimizer_RAdam", "item_optimizer_ASGD")
-@pytest.mark.xfail(strict=True, reason="an optimizer whose step calls .item() is reported as the "
-                   "user's data-dependent control flow (TraceError), not as an unsupported "
-                   "optimizer (UnsupportedError naming it)")
 def test_optimizer_reading_item_is_named_unsupported(pool, mode, case):
+    """Not the user's control flow: an UnsupportedError naming the optimizer."""
     for rep in _case(pool, case, mode):
         if rep["facts"]["raised"] is None:
             continue  # every step ran and matched DDP: also fixed
