@@ -264,7 +264,9 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         f"- World size {cfg['world_size']} (gloo on 127.0.0.1, one process per rank, "
         "`torch.set_num_threads(1)`), every (model, mode) in fresh processes",
         f"- First call (compiles for spmd modes) + {cfg['warmup']} warm-up steps, "
-        f"then {cfg['steps']} timed steps",
+        f"then {cfg['steps']} timed steps"
+        + (f"; every job run {cfg['rounds']} times, interleaved across modes, steps pooled"
+           if cfg.get("rounds", 1) > 1 else ""),
         "",
         "## Models",
         "",

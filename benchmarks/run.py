@@ -64,7 +64,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "compute and comm form the lower bound)",
     )
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default: 2)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed steps per job and round (default: 20)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every mode's job this many times, interleaved across modes, pooling the "
+        "timed steps; evens out changing machine load (default: 1)",
+    )
     parser.add_argument(
         "--warmup",
         type=int,
@@ -107,8 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "0's op table to DIR/MODEL_MODE.txt (figures are unaffected)",
     )
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.world_size < 1:
-        parser.error("need --steps >= 1, --warmup >= 0, --world-size >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.world_size < 1 or args.rounds < 1:
+        parser.error("need --steps >= 1, --warmup >= 0, --world-size >= 1, --rounds >= 1")
     order = list(modes)
     args.modes = sorted(set(args.modes), key=order.index)
     return args
@@ -142,19 +151,42 @@ def source_revision() -> dict:
     return {"commit": git("rev-parse", "--short", "HEAD"), "compiler_sources_modified": bool(dirty)}
 
 
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Per rank: the first round's figures with every round's step timings pooled."""
+    merged = []
+    for per_rank in zip(*rounds):
+        failed = next((r for r in per_rank if r["status"] != "ok"), None)
+        if failed:
+            merged.append(failed)
+            continue
+        first = dict(per_rank[0])
+        for key in ("step_seconds", "step_cpu_seconds"):
+            first[key] = [t for r in per_rank for t in r[key]]
+        first["rss_peak_bytes"] = max(r["rss_peak_bytes"] for r in per_rank)
+        merged.append(first)
+    return merged
+
+
 def run_model(name: str, args: argparse.Namespace) -> dict:
     spec, modes = MODELS[name], all_modes()
     batch = args.batch or spec.batch
     model = spec.build()
     numel, tensors = param_count(model)
-    records = []
-    for mode_name in args.modes:
-        mode = modes[mode_name]
-        job = Job(name, mode_name, args.world_size, batch, args.warmup, args.steps, args.seed,
-                  args.timeout, args.profile)
-        record = summarize(mode, launch(job), mode.comm(spec, model), args.world_size)
-        records.append(record)
-        print(progress_line(name, record), flush=True)
+    outputs: dict[str, list[list[dict]]] = {m: [] for m in args.modes}
+    for round_ in range(args.rounds):  # modes interleaved, so load drift hits them alike
+        for mode_name in args.modes:
+            job = Job(name, mode_name, args.world_size, batch, args.warmup, args.steps, args.seed,
+                      args.timeout, args.profile if round_ == 0 else None)
+            outputs[mode_name].append(launch(job))
+            if round_ == args.rounds - 1:
+                mode = modes[mode_name]
+                record = summarize(
+                    mode, merge_rounds(outputs[mode_name]), mode.comm(spec, model),
+                    args.world_size,
+                )
+                outputs[mode_name] = record
+                print(progress_line(name, record), flush=True)
+    records = [outputs[m] for m in args.modes]
     lower = add_comparisons(records)
     return {
         "name": name,
@@ -178,6 +210,7 @@ def main(argv=None) -> int:
         "config": {
             "world_size": args.world_size,
             "steps": args.steps,
+            "rounds": args.rounds,
             "warmup": args.warmup,
             "seed": args.seed,
             "out": args.out,
