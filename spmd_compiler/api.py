@@ -180,7 +180,14 @@ class CompiledStep:
         stage("traced", traced.gm, t)
 
         t = time.perf_counter()
-        analyze(traced.gm)
+        # A batch size the trace specialized to a constant leaves no batch symbol to propagate;
+        # that graph is guarded to the size, and its collectives come from the gradient roles.
+        exact = bool(traced.specialized)
+        if exact:
+            _info("spmd_compiler: batch size specialized to %s: placements not analyzed",
+                  sorted({s for _, _, s in traced.specialized}))
+        else:
+            analyze(traced.gm)
         stage("analyzed", traced.gm, t)
 
         t = time.perf_counter()
@@ -199,7 +206,8 @@ class CompiledStep:
                 traced.gm, group_name=group_name, world_size=world_size,
                 broadcast_buffers=mode.broadcast_buffers,
             )
-        analyze(gm)
+        if not exact:
+            analyze(gm)
         stage("expanded", gm, t)
 
         for name, run in optimization_passes(mode):

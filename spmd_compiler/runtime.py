@@ -200,6 +200,9 @@ class CompiledGraph:
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
     def guards_hold(self, inputs: list[torch.Tensor]) -> bool:
+        for k, d, size in self.traced.specialized:
+            if inputs[k].shape[d] != size:
+                return False
         if self.guard_code is None:
             return True
         return bool(self.traced.shape_env.evaluate_guards_expression(self.guard_code, inputs))

@@ -75,6 +75,9 @@ class TracedStep:
     new_state_keys: list[tuple[str, str]]  # states the step creates (trailing outputs)
     num_hparams: int
     fake_inputs: list[torch.Tensor]  # fake batch leaves, for guard expressions
+    # (input position, dim, size) of batch dims the trace specialized to a constant (a batch of
+    # one meeting a width-1 layer): the graph is valid only for that size.
+    specialized: list[tuple[int, int, int]] = field(default_factory=list)
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
     num_tensor_outputs: int = 0
@@ -414,6 +417,7 @@ def trace_step(
         raise TraceError(_describe_trace_failure(e)) from e
 
     remove_profiler_nodes(gm)
+    _check_matmul_dtypes(gm)
     _annotate(
         gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, sa, grad_nodes
     )
@@ -433,10 +437,43 @@ def trace_step(
         new_state_keys=created,
         num_hparams=len(hparams),
         fake_inputs=fake_inputs,
+        specialized=_specialized_batch_dims(shape_env, fake_inputs, sa.batch_dims),
         out_spec=out_info["spec"],
         out_constants=out_info["constants"],
         num_tensor_outputs=out_info["n"],
     )
+
+
+def _specialized_batch_dims(shape_env, fake_inputs, batch_dims) -> list[tuple[int, int, int]]:
+    out = []
+    for k, (fake, d) in enumerate(zip(fake_inputs, batch_dims)):
+        if d is None:
+            continue
+        size = fake.shape[d]
+        expr = shape_env.simplify(size.node.expr) if isinstance(size, torch.SymInt) else size
+        if getattr(expr, "is_number", isinstance(expr, int)):
+            out.append((k, d, int(expr)))
+    return out
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default}
+
+
+def _check_matmul_dtypes(gm: torch.fx.GraphModule) -> None:
+    """Eager matmuls and convolutions reject operands of different dtypes; fake ones do not, so
+    check here rather than fail on the first real run (after the live state was placed)."""
+    for node in gm.graph.nodes:
+        if node.target not in _MATMULS:
+            continue
+        dtypes = {a.meta["val"].dtype for a in node.all_input_nodes
+                  if isinstance(a.meta.get("val"), torch.Tensor)}
+        if len(dtypes) > 1:
+            where = node.meta.get("stack_trace") or "<unknown location>"
+            raise TraceError(
+                f"{node.target} mixes dtypes {sorted(map(str, dtypes))}: eager PyTorch raises "
+                f"on this too. Cast the inputs to the model's dtype. User code:\n{where}"
+            )
 
 
 def _split(flat, counts):

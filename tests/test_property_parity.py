@@ -204,9 +204,6 @@ WIDTH_ONE = {
 
 
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
-@pytest.mark.xfail(strict=True, reason="a hidden layer of width 1 with a local batch of one "
-                   "specializes the batch size to 1: BatchDimError 'the input's batch size was "
-                   "specialized to 1', although DDP trains it")
 def test_width_one_hidden_layer_with_batch_of_one(pool2, mode):
     for rank, res in enumerate(pool2.run(parity_example, dict(WIDTH_ONE, mode=mode))):
         assert not res["problems"], f"rank {rank}: {res['problems'][:10]}"

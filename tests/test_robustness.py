@@ -1024,9 +1024,6 @@ def first_run_failure_job(mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", BOTH)
-@pytest.mark.xfail(strict=True, reason="a float64 batch into a float32 model passes tracing (fake "
-                   "matmuls do not check dtypes), so the parameters are placed on the mesh and the "
-                   "graph cached before the first run raises eager's RuntimeError")
 def test_float64_batch_fails_before_touching_state(pool2, mode):
     for rank, res in enumerate(pool2.run(first_run_failure_job, mode)):
         assert res["raised"] is not None
