@@ -144,8 +144,12 @@ def chart(results: dict, path: Path) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib): chart skipped"
     models = results["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    cols = min(3, len(models))
+    rows_ = -(-len(models) // cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(4.6 * cols, 4.2 * rows_), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models):
         ok = [r for r in model["results"] if r["status"] == "ok"]
         names = [r["mode"] for r in ok]
         med = [r["step_ms"]["median"] for r in ok]
