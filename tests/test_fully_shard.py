@@ -324,6 +324,7 @@ def graph_collectives(gm) -> dict:
     counts: Counter = Counter()
     covered: dict[str, dict[str, list[str]]] = {}
     all_reduce_shapes = []
+    nbytes: dict[str, int] = {}
     waits = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -338,13 +339,14 @@ def graph_collectives(gm) -> dict:
                 counts[chk_name] += 1
             continue
         counts[kind] += 1
+        nbytes[kind] = nbytes.get(kind, 0) + (node.meta.get(meta.COLLECTIVE, {}).get("bytes") or 0)
         region = str(getattr(node.meta.get(meta.REGION), "value", node.meta.get(meta.REGION)))
         for fqn in node.meta.get(meta.COLLECTIVE, {}).get("params", []):
             covered.setdefault(kind, {}).setdefault(region, []).append(fqn)
         if kind == "all_reduce":
             all_reduce_shapes.append(tuple(node.meta["val"].shape))
     return dict(counts=dict(counts), covered=covered, all_reduce_shapes=all_reduce_shapes,
-                waits=waits)
+                waits=waits, bytes=nbytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -499,8 +501,9 @@ GRAPH_CASES = {
 }
 
 
-def graph_count_job() -> dict:
-    """One plain SGD step (no optimizer state, one compile) per graph case, bucketing off."""
+def graph_count_job(bucketing: bool = False) -> dict:
+    """One plain SGD step (no optimizer state, one compile) per graph case, bucketing off unless
+    asked for."""
     out = {}
     for name, (model_name, step_name, raf, *_rest) in GRAPH_CASES.items():
         from spmd_compiler import spmd_compile
@@ -508,7 +511,7 @@ def graph_count_job() -> dict:
         torch.manual_seed(0)
         model = FS_MODELS[model_name]()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        compiled = spmd_compile(_mode(raf, bucketing=False))(STEP_FNS[step_name])
+        compiled = spmd_compile(_mode(raf, bucketing=bucketing))(STEP_FNS[step_name])
         compiled(model, opt, _batch(7, BATCH, 0))
         out[name] = graph_collectives(compiled.last_compiled.traced.gm)
     return out
@@ -827,12 +830,14 @@ def _check_round_trip(pool, variant, tmp_path_factory, record_property) -> None:
     if pool.world_size not in _ROUND_TRIP:
         path = str(tmp_path_factory.mktemp(f"dcp_ws{pool.world_size}"))
         _ROUND_TRIP[pool.world_size] = pool.run(round_trip_job, path, timeout=600)
+    problems = []
     for rank, reports in enumerate(_ROUND_TRIP[pool.world_size]):
         rep = reports[variant]
         assert "exception" not in rep, f"rank {rank}: {rep.get('exception')}"
         record_property(f"rank{rank}_max_err", rep["max_err"])
         record_property(f"rank{rank}_bitwise", rep["bitwise"])
-        assert not rep["problems"], f"rank {rank}: " + "\n  ".join(rep["problems"][:20])
+        problems += [f"rank {rank}: {p}" for p in rep["problems"][:10]]
+    assert not problems, "\n  ".join(problems)
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
@@ -849,3 +854,38 @@ def test_checkpoint_round_trip(pool, variant, tmp_path_factory, record_property)
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
 def test_checkpoint_round_trip_full_state_dict(pool, tmp_path_factory, record_property):
     _check_round_trip(pool, FULL_STATE_DICT_VARIANT, tmp_path_factory, record_property)
+
+
+# --------------------------------------------------------------------------------------------------
+# The numbers in docs/fully_shard.md: python -m tests.test_fully_shard
+# --------------------------------------------------------------------------------------------------
+
+
+def _print_report() -> None:
+    from tests.multirank import WorkerPool
+
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    for ws in (2, 3):
+        with WorkerPool(ws) as pool:
+            mem = pool.run(memory_job, list(MEMORY_MODELS), timeout=900)[-1]
+            graphs = {b: pool.run(graph_count_job, b, timeout=900)[0] for b in (False, True)}
+        print(f"\nworld size {ws}: persistent bytes per rank (last rank), Adam")
+        print("| model | parameters | replicate | fully_shard | ratio | padding |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name in MEMORY_MODELS:
+            r, f = mem[(name, "replicate")], mem[(name, "fully_shard")]
+            print(f"| {name} | {r['numel']:,} | {r['bytes']:,} | {f['bytes']:,} | "
+                  f"{r['bytes'] / f['bytes']:.3f} | {f['padding']:,} |")
+        print(f"\nworld size {ws}: collectives per step (count / bytes)")
+        print("| graph | bucketing | " + " | ".join(kinds) + " |")
+        print("|---|---|" + "---:|" * len(kinds))
+        for b, reps in graphs.items():
+            for name, g in reps.items():
+                cells = [f"{g['counts'].get(k, 0)} / {g['bytes'].get(k, 0):,}" for k in kinds]
+                print(f"| {name} | {'on' if b else 'off'} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    from tests.test_fully_shard import _print_report as _report  # importable by the workers
+
+    _report()
