@@ -97,6 +97,19 @@ class UnevenMLP(nn.Module):
         return self.net3(torch.tanh(self.net2(torch.tanh(self.net1(x)))))
 
 
+class ScalarParamMLP(nn.Module):
+    """A 0-d parameter (not sharded: its gradient is all-reduced) beside sharded ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(50, 5)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.net2 = nn.Linear(5, 8)
+
+    def forward(self, x):
+        return self.net2(torch.tanh(self.net1(x)) * self.scale)
+
+
 class WideMLP(nn.Module):
     """Three Linear(1024, 1024): about 3.1 M parameters, for the memory numbers."""
 
@@ -111,7 +124,8 @@ class WideMLP(nn.Module):
         return self.layers(x)
 
 
-FS_MODELS = {**MODELS, "TransposedMLP": TransposedMLP, "SmallRowsMLP": SmallRowsMLP}
+FS_MODELS = {**MODELS, "TransposedMLP": TransposedMLP, "SmallRowsMLP": SmallRowsMLP,
+             "ScalarParamMLP": ScalarParamMLP}
 
 
 def clip_step(model, optim, train_batch):
@@ -208,6 +222,10 @@ CASES: dict[str, dict] = {
                                       step="clip_step_loop", compiles=1, bwd=_MLP_BWD),
     "clip_grad_norm_inf": dict(model="SmallRowsMLP", optim=("Adam", {"lr": 0.01}),
                                step="clip_step_inf", compiles=2, bwd=["net2.weight"]),
+    "scalar_param_adam": dict(model="ScalarParamMLP", optim=("Adam", {"lr": 0.01}), compiles=2,
+                              bwd=["net2.weight"]),
+    "scalar_param_clip": dict(model="ScalarParamMLP", optim=("SGD", {"lr": 0.05}),
+                              step="clip_step", compiles=1, bwd=["net2.weight"]),
 }
 
 
@@ -474,12 +492,16 @@ def test_collectives_cover_each_parameter(pool, case):
     expected_bwd = sorted(spec["bwd"]) if raf else []
     assert sorted(ag.get("backward", [])) == expected_bwd, ag
     assert set(ag) <= {"forward", "backward"}, f"gathers outside forward/backward: {ag}"
+    # Only 0-d parameters (not sharded) have their gradients all-reduced.
+    scalars = sorted(n for n, s in params.items() if len(s) == 0)
+    ar = covered.get("all_reduce", {})
+    assert sorted(f for fqns in ar.values() for f in fqns) == scalars, ar
     shapes = rep["graph"]["all_reduce_shapes"]
+    assert all(math.prod(s) == 1 for s in shapes), f"non-scalar all_reduce: {shapes}"
     if spec.get("step") in _CLIP_STEPS:
-        assert shapes and all(math.prod(s) == 1 for s in shapes), shapes
+        assert len(shapes) > len(scalars), shapes
     else:
-        assert not shapes, f"all_reduce in a fully_shard step without clipping: {shapes}"
-    assert "all_reduce" not in covered, f"all_reduce of parameter gradients: {covered}"
+        assert len(shapes) == len(scalars), f"all_reduce in a step without clipping: {shapes}"
 
 
 # --------------------------------------------------------------------------------------------------
