@@ -34,7 +34,13 @@ from .consistency import (
     agree_on_program,
     describe_program,
 )
-from .runtime import CompiledGraph, default_mesh, module_device, place_state
+from .runtime import (
+    CompiledGraph,
+    communication_failures,
+    default_mesh,
+    module_device,
+    place_state,
+)
 from .tracing import LIFTED_HPARAMS, StepArgs, split_step_args, trace_step
 
 log = logging.getLogger("spmd_compiler")
@@ -102,7 +108,8 @@ class CompiledStep:
             batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
                           if d is not None), 0)
             reason = "" if entry else (_why(self._last_key, key) if self._last_key else "first call")
-            agree_on_compile(CACHED if entry else COMPILE, batch, reason, mesh.get_group())
+            with communication_failures("the per-call agreement between ranks"):
+                agree_on_compile(CACHED if entry else COMPILE, batch, reason, mesh.get_group())
         if entry is None:
             entry = self._compile(sa, mesh, key)
         with torch.no_grad():
@@ -119,7 +126,8 @@ class CompiledStep:
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
         if self.check_ranks:
-            agree_on_program(description, mesh.get_group())
+            with communication_failures("the compile-time agreement between ranks"):
+                agree_on_program(description, mesh.get_group())
         elif isinstance(description, Exception):
             raise description
         start = time.perf_counter()

@@ -28,3 +28,8 @@ class BatchDimError(SPMDError):
 
 class UnsupportedError(SPMDError):
     """The program uses something spmd_compiler does not support (yet)."""
+
+
+class CollectiveError(SPMDError):
+    """A collective inside the compiled step failed or timed out: another rank failed, died or
+    is far behind. The process group's ``timeout`` bounds the wait."""

@@ -7,6 +7,7 @@ runs it and writes back what the step created.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -17,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .errors import CollectiveError
 from .tracing import StepArgs, TracedStep
 
 _MESHES: dict[str, DeviceMesh] = {}
@@ -222,7 +224,10 @@ class CompiledGraph:
         flat += [float(g["lr"]) for opt in sa.optimizers for g in opt.param_groups]
         flat += [sa.leaves[i] for i in sa.input_indices]
 
-        outs = self.run(*flat)
+        with communication_failures("the compiled step",
+                                    "Parameters and optimizer state on this rank may be partly "
+                                    "updated by this step."):
+            outs = self.run(*flat)
 
         n_out = tr.num_tensor_outputs
         if tr.new_state_keys:
@@ -234,6 +239,27 @@ class CompiledGraph:
         for j in sorted(tr.out_constants):
             leaves.insert(j, tr.out_constants[j])
         return pytree.tree_unflatten(leaves, tr.out_spec)
+
+
+_COMMUNICATION_FAILURES = ("timed out", "timeout", "connection closed", "connection reset",
+                           "broken pipe", "gloo", "nccl", "peer")
+
+
+@contextlib.contextmanager
+def communication_failures(where: str, consequence: str = ""):
+    """Turn a failed or timed-out collective inside the block into a CollectiveError."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as e:
+        text = str(e).lower()
+        if not (isinstance(e, dist.DistBackendError) or any(w in text for w in _COMMUNICATION_FAILURES)):
+            raise
+        raise CollectiveError(
+            f"a collective in {where} failed on rank {dist.get_rank()}: "
+            f"{str(e).strip().splitlines()[0]}. Another rank probably raised, died or is stuck; "
+            f"look at its output. The wait is bounded by the process group's timeout "
+            f"(torch.distributed.init_process_group(..., timeout=...)). {consequence}".rstrip()
+        ) from e
 
 
 def _named_unique(named) -> dict[str, torch.Tensor]:
