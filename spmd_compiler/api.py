@@ -230,6 +230,7 @@ class CompiledStep:
         t = time.perf_counter()
         guard_code = traced.shape_env.produce_guards_expression(traced.fake_inputs)
         traced.gm = gm
+        traced.sharded_states = fully_shard
         runnable = lower(gm, self.backend)
         stage("lowered", gm, t)
         return gm, traced, guard_code, seconds, runnable

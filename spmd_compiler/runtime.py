@@ -99,6 +99,28 @@ def local_buffer(dt: torch.Tensor) -> torch.Tensor:
     return getattr(dt, "_spmd_buffer", local)
 
 
+def ensure_padded(t: Any, mesh: DeviceMesh) -> Any:
+    """A sharded state DTensor backed by a padded buffer whose head is its local tensor.
+
+    Optimizer state loaded from a checkpoint arrives as new DTensors without one; such a state
+    is re-made (same values) on a padded buffer. Anything else is returned as is.
+    """
+    if not isinstance(t, DTensor) or t.dim() == 0 or not t.placements[0].is_shard():
+        return t
+    layout = layout_for(t, True, mesh.size())
+    buffer, local = local_buffer(t), t._local_tensor
+    if tuple(buffer.shape) == layout.padded_shape() and (
+        local.numel() == 0 or buffer.data_ptr() == local.data_ptr()
+    ):
+        return t
+    buffer = local.new_zeros(layout.padded_shape())
+    valid = layout.valid_rows(mesh.get_local_rank())
+    buffer[:valid].copy_(local)
+    new = DTensor.from_local(buffer[:valid], mesh, [Shard(0)], run_check=False,
+                             shape=t.shape, stride=t.stride())
+    return _attach(new, buffer)
+
+
 def _attach(dt: DTensor, buffer: torch.Tensor) -> DTensor:
     if buffer is not dt._local_tensor:
         dt._spmd_buffer = buffer
@@ -219,6 +241,9 @@ class CompiledGraph:
         state_of = {}
         for opt in sa.optimizers:
             for p, st in opt.state.items():
+                if self.traced.sharded_states:
+                    for k, v in st.items():
+                        st[k] = ensure_padded(v, mesh)
                 state_of[id(p)] = st
         flat += [local_buffer(state_of[id(params[n])][k]) for n, k in tr.state_keys]
         flat += [float(g["lr"]) for opt in sa.optimizers for g in opt.param_groups]

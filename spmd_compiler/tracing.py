@@ -78,6 +78,7 @@ class TracedStep:
     # (input position, dim, size) of batch dims the trace specialized to a constant (a batch of
     # one meeting a width-1 layer): the graph is valid only for that size.
     specialized: list[tuple[int, int, int]] = field(default_factory=list)
+    sharded_states: bool = False  # set by the compiler for fully_shard: states live padded
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
     num_tensor_outputs: int = 0
