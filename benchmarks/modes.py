@@ -1,12 +1,15 @@
 """The ways a benchmark step can be run: eager references, compiled modes and lower-bound parts.
 
 A mode turns a ``ModelSpec`` into a ``Runner`` on every rank. To add a mode, add a ``Mode`` to
-``MODES`` (``spmd_modes`` adds one per spmd_compiler parallel style and backend).
+``all_modes`` (``spmd_modes`` adds one per spmd_compiler parallel style and backend, each followed
+by its ablation modes: the same mode with one optimization switched off, see ``ABLATIONS``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -45,7 +48,8 @@ class Mode:
 
     ``comm`` describes the collectives of one step as ``{kind: payload_bytes}`` given the model
     (``kind`` is all_reduce, all_gather or reduce_scatter; payload = full tensor bytes).
-    ``reference`` modes form the lower bound and have no parity figure.
+    ``reference`` modes form the lower bound and have no parity figure. spmd modes have a
+    ``style``; an ablation mode names its ``ablation`` and the mode it ablates (``ablation_of``).
     """
 
     name: str
@@ -54,6 +58,9 @@ class Mode:
     description: str
     reference: bool = False
     sharded: bool = False
+    style: str | None = None
+    ablation: str | None = None
+    ablation_of: str | None = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -137,8 +144,89 @@ def _prepare_comm(spec: ModelSpec, world_size: int) -> Runner:
 
 # --- spmd_compiler ----------------------------------------------------------------------------
 
+STYLES = ("replicate", "fully_shard")
 
-def _spmd_prepare(style: str, backend: str) -> Callable[[ModelSpec, int], Runner]:
+
+@dataclass(frozen=True)
+class Ablation:
+    """One optimization switched off: overrides of DataParallel fields and spmd_compile keywords.
+
+    ``styles`` are the parallel styles where the switched-off pass has work to do; ``--ablation``
+    runs only those pairs (the others stay selectable by name).
+    """
+
+    description: str
+    parallel: dict[str, Any] = field(default_factory=dict)
+    compile: dict[str, Any] = field(default_factory=dict)
+    styles: tuple[str, ...] = STYLES
+
+    def overrides(self) -> str:
+        """The settings changed, e.g. ``DataParallel(bucket_cap_mb=0)``."""
+        calls = (("DataParallel", self.parallel), ("spmd_compile", self.compile))
+        return " ".join(
+            f"{call}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+            for call, kwargs in calls
+            if kwargs
+        )
+
+
+ALL_PASSES_ON = Ablation("every pass on")
+
+# The ablation modes: each optimization switched off in turn. One whose override the installed
+# spmd_compiler lacks is left out (see available_ablations).
+ABLATIONS = {
+    "no_bucketing": Ablation(
+        "bucketing off: one collective per parameter instead of flat buckets",
+        parallel={"bucket_cap_mb": 0},
+    ),
+    "no_overlap": Ablation(
+        "overlap off: each collective is waited on right after it is issued, not at its first use",
+        parallel={"overlap": False},
+    ),
+    "no_prefetch": Ablation(
+        "prefetch off: parameter all-gathers are issued just before their use, not ahead",
+        parallel={"prefetch_cap_mb": 0},
+        styles=("fully_shard",),
+    ),
+    "no_split_optimizer": Ablation(
+        "optimizer splitting off: the optimizer step stays in one piece",
+        parallel={"split_optimizer": False},
+    ),
+    "no_check_ranks": Ablation(
+        "rank checks off: no per-call all_gather by which ranks agree on recompiling",
+        compile={"check_ranks": False},
+    ),
+}
+
+
+def available_ablations() -> dict[str, Ablation]:
+    """The ablations whose DataParallel fields and spmd_compile keywords all exist here."""
+    try:
+        from spmd_compiler import DataParallel, spmd_compile
+    except ImportError:
+        return {}
+    fields = {f.name for f in dataclasses.fields(DataParallel)}
+    keywords = set(inspect.signature(spmd_compile).parameters)
+    return {
+        name: a
+        for name, a in ABLATIONS.items()
+        if a.parallel.keys() <= fields and a.compile.keys() <= keywords
+    }
+
+
+def _spmd_call(style: str, backend: str, ablation: Ablation) -> str:
+    """The spmd_compile call of a mode, as text."""
+    parallel = [repr(style), *(f"{k}={v!r}" for k, v in ablation.parallel.items())]
+    keywords = {"backend": backend, **ablation.compile}
+    return (
+        f"spmd_compile(DataParallel({', '.join(parallel)}), "
+        f"{', '.join(f'{k}={v!r}' for k, v in keywords.items())})"
+    )
+
+
+def _spmd_prepare(
+    style: str, backend: str, ablation: Ablation
+) -> Callable[[ModelSpec, int], Runner]:
     def prepare(spec: ModelSpec, world_size: int) -> Runner:
         try:
             from spmd_compiler import DataParallel, spmd_compile
@@ -147,7 +235,8 @@ def _spmd_prepare(style: str, backend: str) -> Callable[[ModelSpec, int], Runner
         model = spec.build()
         optim = spec.optim.build(model.parameters())
         kwargs = {} if backend == "eager" else {"backend": backend}
-        step = spmd_compile(DataParallel(style), **kwargs)(make_train_step(spec.loss_fn))
+        mode = DataParallel(style, **ablation.parallel)
+        step = spmd_compile(mode, **kwargs, **ablation.compile)(make_train_step(spec.loss_fn))
         return Runner(
             lambda batch: step(model, optim, batch),
             model,
@@ -193,25 +282,44 @@ def spmd_backends() -> tuple[str, ...]:
     return tuple(getattr(api, "BACKENDS", ("eager",)))
 
 
+def _spmd_mode(style: str, backend: str, ablation: str | None = None) -> Mode:
+    """The spmd mode of a style and backend, with one of ``ABLATIONS`` applied when given."""
+    base = f"spmd_{style}" + ("" if backend == "eager" else f"_{backend}")
+    overrides = ABLATIONS[ablation] if ablation else ALL_PASSES_ON
+    return Mode(
+        f"{base}-{ablation}" if ablation else base,
+        _spmd_prepare(style, backend, overrides),
+        {"replicate": _replicate_comm, "fully_shard": _fully_shard_comm}[style],
+        _spmd_call(style, backend, overrides),
+        sharded=style == "fully_shard",
+        style=style,
+        ablation=ablation,
+        ablation_of=base if ablation else None,
+    )
+
+
 def spmd_modes() -> list[Mode]:
-    modes = []
-    for style, comm in (("replicate", _replicate_comm), ("fully_shard", _fully_shard_comm)):
-        for backend in spmd_backends():
-            suffix = "" if backend == "eager" else f"_{backend}"
-            modes.append(
-                Mode(
-                    f"spmd_{style}{suffix}",
-                    _spmd_prepare(style, backend),
-                    comm,
-                    f"spmd_compile(DataParallel({style!r}), backend={backend!r})",
-                    sharded=style == "fully_shard",
-                )
-            )
-    return modes
+    """One mode per parallel style and backend, each followed by its available ablation modes."""
+    ablations = [None, *available_ablations()]
+    return [
+        _spmd_mode(style, backend, ablation)
+        for style in STYLES
+        for backend in spmd_backends()
+        for ablation in ablations
+    ]
+
+
+def ablation_run(base_modes: list[str], modes: dict[str, Mode]) -> list[str]:
+    """For each of ``base_modes``: its ablation modes whose pass has work to do in its style."""
+    return [
+        m.name
+        for m in modes.values()
+        if m.ablation_of in base_modes and m.style in ABLATIONS[m.ablation].styles
+    ]
 
 
 def all_modes(spmd: list[Mode] | None = None) -> dict[str, Mode]:
-    """Every mode, references first (DDP is the parity and ratio baseline).
+    """Every mode, references first (DDP is the parity and ratio baseline), ablation modes included.
 
     ``spmd`` defaults to ``spmd_modes()``, which imports spmd_compiler to list its backends.
     """

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from .modes import ABLATIONS
 from .results import MB
 
 HEADERS = [
@@ -98,8 +99,15 @@ def table(results: dict, fmt: str = "simple") -> str:
 
 
 def ratio_table(results: dict, fmt: str = "simple") -> str:
-    """Models x modes: wall-time median over DDP's (over the lower bound), CPU time over DDP's."""
-    modes = list(dict.fromkeys(r["mode"] for m in results["models"] for r in m["results"]))
+    """Models x modes: wall-time median over DDP's (over the lower bound), CPU time over DDP's.
+
+    Ablation modes have their own table (``ablation_section``).
+    """
+    modes = list(
+        dict.fromkeys(
+            r["mode"] for m in results["models"] for r in m["results"] if not r.get("ablation")
+        )
+    )
     body = []
     for model in results["models"]:
         by_mode = {r["mode"]: r for r in model["results"]}
@@ -134,7 +142,8 @@ def progress_line(model: str, record: dict) -> str:
 def chart(results: dict, path: Path) -> str | None:
     """Bar chart of median step time (p10-p90 whiskers) per mode, one panel per model.
 
-    Returns a note instead of drawing when matplotlib is not installed.
+    Ablation modes are left out. Returns a note instead of drawing when matplotlib is not
+    installed.
     """
     try:
         import matplotlib
@@ -150,7 +159,7 @@ def chart(results: dict, path: Path) -> str | None:
     for ax in axes.flat[len(models):]:
         ax.set_visible(False)
     for ax, model in zip(axes.flat, models):
-        ok = [r for r in model["results"] if r["status"] == "ok"]
+        ok = [r for r in model["results"] if r["status"] == "ok" and not r.get("ablation")]
         names = [r["mode"] for r in ok]
         med = [r["step_ms"]["median"] for r in ok]
         err = [
@@ -230,11 +239,14 @@ def profile_table(results: dict) -> list[str]:
 
 
 def slower(results: dict) -> list[str]:
-    """Bullets for every spmd mode whose median is above DDP's (or FSDP2's, when sharded)."""
+    """Bullets for every spmd mode whose median is above DDP's (or FSDP2's, when sharded).
+
+    Ablation modes are left out: they have their own table.
+    """
     out = []
     for model in results["models"]:
         for r in model["results"]:
-            if r["status"] != "ok" or not r["mode"].startswith("spmd"):
+            if r["status"] != "ok" or not r["mode"].startswith("spmd") or r.get("ablation"):
                 continue
             refs = [("DDP", r["ratio_to_ddp"])]
             if r.get("sharded"):
@@ -243,6 +255,63 @@ def slower(results: dict) -> list[str]:
             if worse:
                 out.append(f"- {model['name']} / {r['mode']}: {', '.join(worse)}")
     return out or ["- nowhere in this run"]
+
+
+def _ablation_cell(r: dict | None, base: dict | None) -> str:
+    """Median step ms, with the ratio to the base mode's median in parentheses."""
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return r["status"]
+    median = r["step_ms"]["median"]
+    if r is base:
+        return f"{median:.1f}"
+    if base is None or base["status"] != "ok":
+        return f"{median:.1f} (-)"
+    return f"{median:.1f} ({median / base['step_ms']['median']:.2f})"
+
+
+def ablation_table(results: dict, base_mode: str) -> str:
+    """Models x (base mode and each of its ablation modes that ran)."""
+    ablations = dict.fromkeys(
+        (r["mode"], r["ablation"])
+        for m in results["models"]
+        for r in m["results"]
+        if r.get("ablation_of") == base_mode
+    )
+    modes = [base_mode, *(mode for mode, _ in ablations)]
+    body = []
+    for model in results["models"]:
+        by_mode = {r["mode"]: r for r in model["results"]}
+        if any(mode in by_mode for mode, _ in ablations):
+            base = by_mode.get(base_mode)
+            body.append([model["name"], *(_ablation_cell(by_mode.get(m), base) for m in modes)])
+    headers = ["model", "all passes on (ms)", *(name for _, name in ablations)]
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def ablation_section(results: dict) -> list[str]:
+    """One table per spmd mode that has ablation modes in the results; nothing if none ran."""
+    records = [r for m in results["models"] for r in m["results"] if r.get("ablation")]
+    if not records:
+        return []
+    bases = dict.fromkeys(r["ablation_of"] for r in records)
+    names = dict.fromkeys(r["ablation"] for r in records)
+    lines = [
+        "## Ablation",
+        "",
+        "Each spmd mode with one optimization switched off (`--ablation`). Cells: median step ms; "
+        "in parentheses over the same mode with every pass on (above 1.00: switching the pass "
+        "off made the step slower). Their parity and collectives are in the tables above.",
+        "",
+    ]
+    for name in names:
+        a = ABLATIONS.get(name)
+        lines.append(f"- `{name}`" + (f" (`{a.overrides()}`): {a.description}" if a else ""))
+    lines.append("")
+    for base in bases:
+        lines += [f"### {base}", "", ablation_table(results, base), ""]
+    return lines
 
 
 def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> str:
@@ -336,6 +405,7 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "initialization on the same per-rank data (float32). References have none.",
         "",
     ]
+    lines += ablation_section(results)
     lines += ["## Where spmd is slower than the eager references", ""] + slower(results) + [""]
     lines += profile_table(results)
     return "\n".join(lines)

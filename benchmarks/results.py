@@ -42,6 +42,8 @@ def summarize(mode: Mode, ranks: list[dict], comm: dict[str, int], world_size: i
         "description": mode.description,
         "reference": mode.reference,
         "sharded": mode.sharded,
+        "ablation": mode.ablation,
+        "ablation_of": mode.ablation_of,
         "status": "ok",
     }
     if failed:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .models import MODELS, param_count
-from .modes import all_modes
+from .modes import ABLATIONS, ablation_run, all_modes
 from .report import progress_line, ratio_table, table, write_docs
 from .results import add_comparisons, summarize
 from .worker import Job, launch
@@ -41,6 +41,8 @@ def _csv(choices: dict):
 
 def parse_args(argv=None) -> argparse.Namespace:
     modes = all_modes()
+    default_modes = [name for name, m in modes.items() if m.ablation is None]
+    ablations = {m.ablation for m in modes.values()}
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.run",
         description=__doc__,
@@ -48,7 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="models:\n"
         + "".join(f"  {k:<18} {v.description}\n" for k, v in MODELS.items())
         + "modes:\n"
-        + "".join(f"  {k:<18} {v.description}\n" for k, v in modes.items()),
+        + "".join(f"  {k:<18} {modes[k].description}\n" for k in default_modes)
+        + "ablations (not run by default; select SPMD_MODE-ABLATION, e.g. "
+        "spmd_replicate-no_bucketing):\n"
+        + "".join(f"  {k:<18} {v.description}\n" for k, v in ABLATIONS.items() if k in ablations),
     )
     parser.add_argument(
         "--models",
@@ -59,9 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--modes",
         type=_csv(modes),
-        default=list(modes),
-        help="comma-separated modes to run (default: all; ddp is the parity/ratio baseline, "
-        "compute and comm form the lower bound)",
+        default=default_modes,
+        help="comma-separated modes to run (default: all but the ablation modes; ddp is the "
+        "parity/ratio baseline, compute and comm form the lower bound)",
+    )
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="also run, for every spmd mode selected, its ablation modes (one pass off in "
+        "each) whose pass has work to do in its style: no_prefetch only with fully_shard",
     )
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default: 2)")
     parser.add_argument(
@@ -118,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.world_size < 1 or args.rounds < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --world-size >= 1, --rounds >= 1")
+    if args.ablation:
+        args.modes = args.modes + ablation_run(args.modes, modes)
     order = list(modes)
     args.modes = sorted(set(args.modes), key=order.index)
     return args

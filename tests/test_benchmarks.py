@@ -16,7 +16,8 @@ from benchmarks.models import MODELS, param_count
 pytestmark = pytest.mark.multirank  # real gloo ranks, in a subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ["ddp", "fsdp2", "spmd_replicate", "compute", "comm"]
+ABLATION = "spmd_replicate-no_bucketing"
+MODES = ["ddp", "fsdp2", "spmd_replicate", ABLATION, "compute", "comm"]
 WORLD = 2
 
 
@@ -121,10 +122,20 @@ def test_memory(by_mode):
 
 def test_parity(by_mode):
     assert by_mode["ddp"]["parity_max_abs_diff"] == 0.0
-    for mode in ("fsdp2", "spmd_replicate"):
+    for mode in ("fsdp2", "spmd_replicate", ABLATION):
         assert by_mode[mode]["parity_max_abs_diff"] < 1e-5, mode
     for mode in ("compute", "comm"):
         assert by_mode[mode]["parity_max_abs_diff"] is None
+
+
+def test_ablation(by_mode):
+    r, base = by_mode[ABLATION], by_mode["spmd_replicate"]
+    assert (r["ablation"], r["ablation_of"]) == ("no_bucketing", "spmd_replicate")
+    assert base["ablation"] is None
+    # Bucketing off: one all_reduce per gradient instead of one bucket, same bytes.
+    ablated = r["graph_collectives"]["all_reduce"]
+    bucketed = base["graph_collectives"]["all_reduce"]
+    assert ablated["count"] > bucketed["count"] and ablated["bytes"] == bucketed["bytes"]
 
 
 def test_docs(results):
@@ -132,3 +143,5 @@ def test_docs(results):
     assert results["machine"]["torch"] in md and results["command"] in md
     for mode in MODES:
         assert f"| {mode} " in md
+    ratios = md[md.index("## Ratios"):md.index("## Results")]
+    assert "## Ablation" in md and ABLATION not in ratios
