@@ -21,6 +21,7 @@ from passes import batch_dim
 from passes.bucketing import bucket_collectives
 from passes.cleanup import eliminate_dead_code
 from passes.overlap import sink_waits
+from passes.prefetch import prefetch_all_gathers
 from passes.fully_shard import ShardingError, expand_fully_shard
 from passes.replicate import expand_replicate
 
@@ -277,6 +278,9 @@ def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
         passes.append(("bucketing", functools.partial(
             bucket_collectives, bucket_cap_mb=mode.bucket_cap_mb,
             first_bucket_cap_mb=mode.first_bucket_cap_mb)))
+    if mode.prefetch_cap_mb and mode.parallel_style == "fully_shard":
+        passes.append(("prefetch", functools.partial(
+            prefetch_all_gathers, prefetch_cap_mb=mode.prefetch_cap_mb)))
     if mode.overlap:
         passes.append(("overlap", sink_waits))
     return passes

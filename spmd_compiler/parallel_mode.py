@@ -30,6 +30,10 @@ class DataParallel:
         bucket_cap_mb: merge per-parameter collectives into flat buckets of at most this many
             MiB (DDP's default 25; the first gradient bucket is at most ``first_bucket_cap_mb``
             so communication starts early). ``None`` or ``0`` turns bucketing off.
+        prefetch_cap_mb: fully_shard only. Issue parameter all-gathers ahead of their use so
+            they transfer while earlier layers compute, holding at most this many MiB of
+            gathered parameters ahead of use (the default holds two full default buckets;
+            FSDP2 prefetches one module ahead). ``None`` or ``0`` gathers each bucket just before its use.
         overlap: move each collective's wait to the first use of its result, so communication
             runs while the rest of the step computes. ``False`` waits right after issuing.
     """
@@ -40,6 +44,7 @@ class DataParallel:
     broadcast_buffers: bool = True
     bucket_cap_mb: float | None = 25.0
     first_bucket_cap_mb: float = 1.0
+    prefetch_cap_mb: float | None = 64.0
     overlap: bool = True
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ from passes.bucketing import bucket_collectives
 from passes.collectives import c10d
 from passes.fully_shard import expand_fully_shard, shard_rows
 from passes.overlap import sink_waits
+from passes.prefetch import prefetch_all_gathers
 from passes.replicate import expand_replicate
 from spmd_compiler.tracing import trace_step
 from tests.models import BatchNormMLP, SimpleMLP, train_step
@@ -138,6 +139,40 @@ def test_sink_waits_moves_each_wait_to_its_first_user():
     # Issued in the backward, waited in the optimizer: the rest of the backward overlaps.
     assert any(i.meta[meta.REGION] == meta.Region.BACKWARD and w.next.meta[meta.REGION] == meta.Region.OPTIMIZER
                for i, w in zip(issues, waits))
+    gm.graph.lint()
+
+
+def _gathers_in_flight(gm):
+    """Per gather wait: the bytes of later gathers already issued when it is reached."""
+    order = _order(gm)
+    issues = _calls(gm, c10d.all_gather_into_tensor.default)
+    waits = [next(iter(i.users)) for i in issues]
+    return [
+        sum(later.meta["val"].numel() * 4 for later, lw in zip(issues, waits)
+            if order[later] < order[w] and order[lw] > order[w])
+        for w in waits
+    ]
+
+
+@pytest.mark.parametrize("cap_bytes", [0, 2000, 10**6])
+def test_prefetch_issues_gathers_early_within_the_memory_cap(cap_bytes):
+    tr = _traced()
+    gm = expand_fully_shard(tr.gm, group_name="g", world_size=WORLD)
+    before = [n.meta[meta.COLLECTIVE]["params"] for n in _calls(gm, c10d.all_gather_into_tensor.default)]
+    assert _gathers_in_flight(gm) == [0] * len(before)  # each gathered just before use
+    gm = prefetch_all_gathers(gm, prefetch_cap_mb=cap_bytes / 2**20)
+    issues = _calls(gm, c10d.all_gather_into_tensor.default)
+    assert [n.meta[meta.COLLECTIVE]["params"] for n in issues] == before  # same order on every rank
+    ahead = _gathers_in_flight(gm)
+    assert all(a <= cap_bytes for a in ahead)
+    if cap_bytes == 0:
+        assert ahead == [0] * len(before)
+    else:  # net1.bias and net2.* are fetched while net1 computes; 10**6 holds them all
+        assert ahead[1] > 0
+    if cap_bytes == 10**6:
+        order = _order(gm)
+        first_use = min(next(iter(issues[0].users)).users, key=order.__getitem__)
+        assert all(order[i] < order[first_use] for i in issues)
     gm.graph.lint()
 
 
