@@ -21,6 +21,7 @@ from passes import batch_dim
 from passes.bucketing import bucket_collectives
 from passes.cleanup import eliminate_dead_code
 from passes.overlap import sink_waits
+from passes.inplace import reduce_in_place
 from passes.prefetch import prefetch_all_gathers
 from passes.fully_shard import ShardingError, expand_fully_shard
 from passes.replicate import expand_replicate
@@ -263,12 +264,19 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
 
 
 def lower(gm: torch.fx.GraphModule, backend: str) -> Callable:
-    """The runnable for ``backend``: ``"eager"`` runs the FX graph's generated Python;
-    ``"inductor"`` hands the whole step graph to ``torch.compile`` (Inductor functionalizes it,
-    keeps the functional collectives and compiles on the first run)."""
+    """The runnable for ``backend``; ``gm`` itself stays functional (it is what the dumps and
+    the cross-rank check describe).
+
+    ``"eager"`` runs the generated Python of a copy of ``gm`` whose bucket divisions and
+    all_reduces work in place (passes/inplace.py). ``"inductor"`` hands the whole step graph to
+    ``torch.compile`` (Inductor functionalizes it, keeps the functional collectives, reuses
+    buffers itself and compiles on the first run).
+    """
     if backend == "inductor":
         return torch.compile(gm, backend="inductor", dynamic=True, fullgraph=True)
-    return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return reduce_in_place(torch.fx.GraphModule(gm, graph))
 
 
 def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:

@@ -12,6 +12,7 @@ from passes import meta
 from passes.bucketing import bucket_collectives
 from passes.collectives import c10d
 from passes.fully_shard import expand_fully_shard, shard_rows
+from passes.inplace import reduce_in_place
 from passes.overlap import sink_waits
 from passes.prefetch import prefetch_all_gathers
 from passes.replicate import expand_replicate
@@ -139,6 +140,21 @@ def test_sink_waits_moves_each_wait_to_its_first_user():
     # Issued in the backward, waited in the optimizer: the rest of the backward overlaps.
     assert any(i.meta[meta.REGION] == meta.Region.BACKWARD and w.next.meta[meta.REGION] == meta.Region.OPTIMIZER
                for i, w in zip(issues, waits))
+    gm.graph.lint()
+
+
+def test_reduce_in_place_reuses_bucket_buffers_only():
+    tr = _traced()
+    gm = bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=WORLD))
+    (reduce,) = _calls(gm, c10d.all_reduce.default)
+    divs_before = len(_calls(gm, torch.ops.aten.div.Tensor))
+    gm = reduce_in_place(gm)
+    assert reduce.target is c10d.all_reduce_.default
+    scaled = reduce.args[0]  # the bucket's cat, divided in place, reduced in place
+    assert scaled.target is torch.ops.aten.div_.Tensor and scaled.args[0].target is torch.ops.aten.cat.default
+    assert not _calls(gm, c10d.all_reduce.default)
+    # Other divisions read tensors that something else reads too: they stay out of place.
+    assert len(_calls(gm, torch.ops.aten.div.Tensor)) == divs_before - 1
     gm.graph.lint()
 
 
