@@ -23,6 +23,7 @@ from passes.cleanup import eliminate_dead_code
 from passes.overlap import sink_waits
 from passes.inplace import reduce_in_place
 from passes.prefetch import prefetch_all_gathers
+from passes.rank_check import place_rank_check
 from passes.fully_shard import ShardingError, expand_fully_shard
 from passes.replicate import expand_replicate
 
@@ -34,7 +35,10 @@ from .consistency import (
     COMPILE_FAILED,
     agree_on_compile,
     agree_on_program,
+    agreement_in_flight,
+    await_agreement,
     describe_program,
+    start_agreement,
 )
 from .runtime import (
     CompiledGraph,
@@ -106,15 +110,20 @@ class CompiledStep:
         key = step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         entry = next((e for e in self._cache.get(key, ()) if e.guards_hold(inputs)), None)
+        pending = None
         if self.check_ranks:
             batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
                           if d is not None), 0)
             reason = "" if entry else (_why(self._last_key, key) if self._last_key else "first call")
             with communication_failures("the per-call agreement between ranks"):
-                agree_on_compile(CACHED if entry else COMPILE, batch, reason, mesh.get_group())
+                if entry is not None and entry.checks_ranks_inside:
+                    # checked by the graph itself, before its first collective or state update
+                    pending = start_agreement(CACHED, batch, reason, mesh.get_group())
+                else:
+                    agree_on_compile(CACHED if entry else COMPILE, batch, reason, mesh.get_group())
         if entry is None:
             entry = self._compile(sa, mesh, key)
-        with torch.no_grad():
+        with torch.no_grad(), agreement_in_flight(pending):
             return entry(sa, mesh)
 
     # -- compiling ----------------------------------------------------------------------------
@@ -136,7 +145,8 @@ class CompiledStep:
         # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
         place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard")
         key = step_key(sa)
-        entry = CompiledGraph(traced, runnable, guard_code, key, seconds)
+        entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
+                              checks_ranks_inside=self.check_ranks and self.backend == "eager")
         self._cache.setdefault(key, []).append(entry)
         self._last_key = key
         self.compile_count += 1
@@ -233,7 +243,7 @@ class CompiledStep:
         guard_code = traced.shape_env.produce_guards_expression(traced.fake_inputs)
         traced.gm = gm
         traced.sharded_states = fully_shard
-        runnable = lower(gm, self.backend)
+        runnable = lower(gm, self.backend, rank_check=await_agreement if self.check_ranks else None)
         stage("lowered", gm, t)
         return gm, traced, guard_code, seconds, runnable
 
@@ -263,12 +273,14 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     return summary
 
 
-def lower(gm: torch.fx.GraphModule, backend: str) -> Callable:
+def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None] | None = None) -> Callable:
     """The runnable for ``backend``; ``gm`` itself stays functional (it is what the dumps and
     the cross-rank check describe).
 
     ``"eager"`` runs the generated Python of a copy of ``gm`` whose bucket divisions and
-    all_reduces work in place (passes/inplace.py). ``"inductor"`` hands the whole step graph to
+    all_reduces work in place (passes/inplace.py) and that calls ``rank_check`` (the per-call
+    agreement) just before its first collective or state update (passes/rank_check.py), so the
+    agreement's message travels while the forward computes. ``"inductor"`` hands the whole step graph to
     ``torch.compile`` (Inductor functionalizes it, keeps the functional collectives, reuses
     buffers itself and compiles on the first run).
     """
@@ -276,7 +288,8 @@ def lower(gm: torch.fx.GraphModule, backend: str) -> Callable:
         return torch.compile(gm, backend="inductor", dynamic=True, fullgraph=True)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return reduce_in_place(torch.fx.GraphModule(gm, graph))
+    runnable = reduce_in_place(torch.fx.GraphModule(gm, graph))
+    return place_rank_check(runnable, rank_check) if rank_check else runnable
 
 
 def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
@@ -392,7 +405,8 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
         dump_dir: write every stage's graph (and a summary) here; also ``SPMD_DUMP_DIR``.
         gm_transformation: an extra ``GraphModule -> GraphModule`` applied after the built-in passes.
         check_ranks: verify that every rank compiles the same program (at compile time) and that
-            all ranks agree on when to recompile (one small all_gather per call). Turn off only
+            all ranks agree on when to recompile (one small all_gather per call, awaited by the
+            eager graph just before its first collective or state update). Turn off only
             when inputs are known to agree across ranks; a disagreement then hangs or diverges.
     """
     mode = parallel_mode or DataParallel("replicate")

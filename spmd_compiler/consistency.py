@@ -5,7 +5,9 @@ only, a batch size outside the guards on one rank) would otherwise enter mismatc
 and hang or compute garbage. Two checks prevent that:
 
 - per call, ``agree_on_compile``: one small all_gather of (needs a compile?, local batch size);
-  if some ranks would recompile and others would not, every rank raises the same error;
+  if some ranks would recompile and others would not, every rank raises the same error. A
+  rank running a cached eager graph only issues it (``start_agreement``) and lets the graph
+  await it (``await_agreement``) before its first collective or state update;
 - per compile, ``agree_on_program``: ranks exchange a description of what they compiled (or the
   error they hit) with ``all_gather_object``; any difference, or any rank's failure, raises on
   every rank naming the ranks and the first difference.
@@ -13,7 +15,9 @@ and hang or compute garbage. Two checks prevent that:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import sys
 from typing import Any
 
 import torch
@@ -40,14 +44,39 @@ def agree_on_compile(status: int, batch_size: int, reason: str, group,
     ``status`` is CACHED, COMPILE or COMPILE_FAILED (this rank rejected its arguments: it
     re-raises ``error`` after telling the others, who raise a RankMismatchError naming it).
     """
+    pending = start_agreement(status, batch_size, reason, group)
+    if error is not None:
+        if pending is not None:
+            pending.work.wait()
+        raise error
+    finish_agreement(pending)
+
+
+class PendingAgreement:
+    """An issued per-call agreement whose result is checked later (``finish_agreement``)."""
+
+    def __init__(self, work, everyone: list[torch.Tensor], status: int, reason: str):
+        self.work, self.everyone, self.status, self.reason = work, everyone, status, reason
+
+
+def start_agreement(status: int, batch_size: int, reason: str, group) -> PendingAgreement | None:
+    """Issue the per-call all_gather of (status, local batch size); None on a single rank."""
     world = dist.get_world_size(group)
     if world == 1:
-        return
+        return None
     mine = torch.tensor([status, batch_size], dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    if error is not None:
-        raise error
+    work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    return PendingAgreement(work, everyone, status, reason)
+
+
+def finish_agreement(pending: PendingAgreement | None) -> None:
+    """Wait for an issued agreement; raise RankMismatchError if the ranks disagree."""
+    if pending is None:
+        return
+    pending.work.wait()
+    everyone, status, reason = pending.everyone, pending.status, pending.reason
+    world = len(everyone)
     flags = [int(t[0]) for t in everyone]
     failed = [r for r, f in enumerate(flags) if f == COMPILE_FAILED]
     if failed:
@@ -64,6 +93,32 @@ def agree_on_compile(status: int, batch_size: int, reason: str, group,
             f"{'recompile (' + reason + ')' if status else 'cached graph'}. Give every rank "
             f"inputs of the same structure, dtype, requires_grad and non-batch shape."
         )
+
+
+_IN_FLIGHT: list[PendingAgreement | None] = []  # the agreement of the step now running
+
+
+@contextlib.contextmanager
+def agreement_in_flight(pending: PendingAgreement | None):
+    """Run a compiled step while its agreement is in flight; the step's graph calls
+    ``await_agreement`` before its first collective or state update. If the step stops before
+    that, the agreement is still completed (and checked) here."""
+    _IN_FLIGHT.append(pending)
+    try:
+        yield
+    finally:
+        left = _IN_FLIGHT.pop()
+        if left is not None and sys.exc_info()[0] is None:
+            finish_agreement(left)
+        elif left is not None:
+            left.work.wait()
+
+
+def await_agreement() -> None:
+    """Graph node: complete the running step's per-call agreement (raise if ranks disagree)."""
+    if _IN_FLIGHT and _IN_FLIGHT[-1] is not None:
+        pending, _IN_FLIGHT[-1] = _IN_FLIGHT[-1], None
+        finish_agreement(pending)
 
 
 def describe_program(gm: fx.GraphModule, sa: StepArgs, guard_code: str | None) -> dict[str, Any]:

@@ -222,6 +222,7 @@ class CompiledGraph:
     guard_code: str | None
     static_key: tuple
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
 
     def guards_hold(self, inputs: list[torch.Tensor]) -> bool:
         for k, d, size in self.traced.specialized:

@@ -10,11 +10,12 @@ import torch
 
 from passes import meta
 from passes.bucketing import bucket_collectives
-from passes.collectives import c10d
+from passes.collectives import COLLECTIVE_OPS, c10d
 from passes.fully_shard import expand_fully_shard, shard_rows
 from passes.inplace import reduce_in_place
 from passes.overlap import sink_waits
 from passes.prefetch import prefetch_all_gathers
+from passes.rank_check import place_rank_check
 from passes.replicate import expand_replicate
 from spmd_compiler.tracing import trace_step
 from tests.models import BatchNormMLP, SimpleMLP, train_step
@@ -155,6 +156,31 @@ def test_reduce_in_place_reuses_bucket_buffers_only():
     assert not _calls(gm, c10d.all_reduce.default)
     # Other divisions read tensors that something else reads too: they stay out of place.
     assert len(_calls(gm, torch.ops.aten.div.Tensor)) == divs_before - 1
+    gm.graph.lint()
+
+
+def _rank_check():
+    """Stands in for the per-call agreement in the graphs below."""
+
+
+@pytest.mark.parametrize("model", ["mlp", "batchnorm"])
+def test_rank_check_runs_before_any_collective_or_state_update(model):
+    tr = _traced(BatchNormMLP() if model == "batchnorm" else None, momentum=0.9)
+    gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
+    gm = place_rank_check(reduce_in_place(bucket_collectives(gm)), _rank_check)  # as lowered
+    (check,) = _calls(gm, _rank_check)
+    nodes = list(gm.graph.nodes)
+    before, after = nodes[:nodes.index(check)], nodes[nodes.index(check) + 1:]
+    assert not [n for n in before if n.target in COLLECTIVE_OPS or n.target is c10d.all_reduce_.default]
+    assert not [n for n in before if n.meta.get(meta.REGION) == meta.Region.OPTIMIZER]
+    mutating = [n for n in before if n.op == "call_function" and n.target._schema.is_mutable
+                and n.args[0].op == "placeholder"]  # live state (temporaries may be reused)
+    assert after[0].target in COLLECTIVE_OPS or after[0].target is c10d.all_reduce_.default
+    assert not mutating
+    if model == "mlp":  # the whole forward and backward overlap the check's message
+        assert [n for n in before if n.meta.get(meta.ROLE) == meta.Role.GRAD]
+    else:  # buffers are broadcast first: the check goes before that
+        assert not [n for n in before if n.op == "call_function"]
     gm.graph.lint()
 
 
