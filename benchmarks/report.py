@@ -128,6 +128,32 @@ def ratio_table(results: dict, fmt: str = "simple") -> str:
                     disable_numparse=True)
 
 
+def bounds_table(results: dict, fmt: str = "github") -> str | None:
+    """Per model: the references that bound a step, and each replicate-style mode over the
+    shared-core bound. None when no model has both references."""
+    models = [m for m in results["models"] if m.get("shared_core_bound_ms")]
+    if not models:
+        return None
+    modes = list(dict.fromkeys(
+        r["mode"] for m in models for r in m["results"]
+        if r.get("ratio_to_shared_core_bound") and not r["reference"] and not r.get("ablation")
+    ))
+    body = []
+    for model in models:
+        by_mode = {r["mode"]: r for r in model["results"] if r["status"] == "ok"}
+        compute, comm = by_mode["compute"], by_mode["comm"]
+        body.append([
+            model["name"], _fmt(compute["step_ms"]["median"], ".1f"),
+            _fmt(comm["step_ms"]["median"], ".1f"), _fmt(comm["cpu_ms_median"], ".1f"),
+            _fmt(model["lower_bound_ms"], ".1f"), _fmt(model["shared_core_bound_ms"], ".1f"),
+            *[_fmt(by_mode[m]["ratio_to_shared_core_bound"], ".2f") if m in by_mode else ""
+              for m in modes],
+        ])
+    headers = ["model", "compute ms", "comm ms", "comm CPU ms", "lower bound ms",
+               "shared-core bound ms", *[f"{m} x shared-core" for m in modes]]
+    return tabulate(body, headers=headers, tablefmt=fmt, disable_numparse=True)
+
+
 def progress_line(model: str, record: dict) -> str:
     """One line per finished (model, mode) job."""
     if record["status"] != "ok":
@@ -360,6 +386,23 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "",
         ratio_table(results, "github"),
         "",
+    ]
+    bounds = bounds_table(results)
+    if bounds:
+        lines += [
+            "## Against the bounds",
+            "",
+            "The lower bound max(compute, comm) assumes communication costs no CPU. Here every "
+            "core runs a rank, so a rank's all_reduce work (gloo's reductions and loopback "
+            "copies: `comm CPU ms`) shares the core with its compute. The shared-core bound "
+            "compute + comm CPU is what a replicate step (DDP's or spmd's) can reach on this "
+            "machine; below 1.00 means part of the collective's CPU work ran while the rank "
+            "itself waited.",
+            "",
+            bounds,
+            "",
+        ]
+    lines += [
         "## Results",
         "",
         tabulate(rows(results, reason_width=None), headers=HEADERS, tablefmt="github",

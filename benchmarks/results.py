@@ -86,6 +86,15 @@ def summarize(mode: Mode, ranks: list[dict], comm: dict[str, int], world_size: i
     return record
 
 
+def shared_core_bound(ok: dict[str, dict]) -> float | None:
+    """compute's median + comm's CPU time per step (ms): the bound for a replicate step when
+    every core runs a rank, so a rank's collective work (gloo's reductions and loopback copies)
+    shares a core with its compute instead of overlapping it. None without both references."""
+    if not {"compute", "comm"} <= ok.keys():
+        return None
+    return ok["compute"]["step_ms"]["median"] + ok["comm"]["cpu_ms_median"]
+
+
 def add_comparisons(records: list[dict]) -> float | None:
     """Fill ratios and parity in place; returns the lower bound in ms (or None).
 
@@ -95,6 +104,7 @@ def add_comparisons(records: list[dict]) -> float | None:
     ok = {r["mode"]: r for r in records if r["status"] == "ok"}
     median = {name: r["step_ms"]["median"] for name, r in ok.items()}
     lower = max(median["compute"], median["comm"]) if {"compute", "comm"} <= median.keys() else None
+    shared = shared_core_bound(ok)
     ddp_params = ok["ddp"]["_params"] if "ddp" in ok else None
     ddp_cpu = ok["ddp"]["cpu_ms_median"] if "ddp" in ok else None
     for r in ok.values():
@@ -102,6 +112,7 @@ def add_comparisons(records: list[dict]) -> float | None:
         r["ratio_to_ddp"] = m / median["ddp"] if "ddp" in median else None
         r["ratio_to_fsdp2"] = m / median["fsdp2"] if "fsdp2" in median else None
         r["ratio_to_lower_bound"] = m / lower if lower else None
+        r["ratio_to_shared_core_bound"] = m / shared if shared and not r["sharded"] else None
         r["cpu_ratio_to_ddp"] = r["cpu_ms_median"] / ddp_cpu if ddp_cpu else None
         params = r.pop("_params")
         r["parity_max_abs_diff"] = (

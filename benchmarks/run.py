@@ -22,7 +22,7 @@ import torch
 from .models import MODELS, param_count
 from .modes import ABLATIONS, ablation_run, all_modes
 from .report import progress_line, ratio_table, table, write_docs
-from .results import add_comparisons, summarize
+from .results import add_comparisons, shared_core_bound, summarize
 from .worker import Job, launch
 
 
@@ -201,6 +201,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
                 print(progress_line(name, record), flush=True)
     records = [outputs[m] for m in args.modes]
     lower = add_comparisons(records)
+    shared = shared_core_bound({r["mode"]: r for r in records if r["status"] == "ok"})
     return {
         "name": name,
         "description": spec.description,
@@ -209,6 +210,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         "optimizer": spec.optim.label(),
         "batch": batch,
         "lower_bound_ms": lower,
+        "shared_core_bound_ms": shared,
         "results": records,
     }
 
