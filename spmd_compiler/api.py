@@ -24,6 +24,7 @@ from passes.overlap import sink_waits
 from passes.inplace import reduce_in_place
 from passes.prefetch import prefetch_all_gathers
 from passes.rank_check import place_rank_check
+from passes.split_optimizer import split_optimizer_by_bucket
 from passes.fully_shard import ShardingError, expand_fully_shard
 from passes.replicate import expand_replicate
 
@@ -302,6 +303,8 @@ def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
     if mode.prefetch_cap_mb and mode.parallel_style == "fully_shard":
         passes.append(("prefetch", functools.partial(
             prefetch_all_gathers, prefetch_cap_mb=mode.prefetch_cap_mb)))
+    if mode.split_optimizer:
+        passes.append(("split_optimizer", split_optimizer_by_bucket))
     if mode.overlap:
         passes.append(("overlap", sink_waits))
     return passes

@@ -34,6 +34,9 @@ class DataParallel:
             they transfer while earlier layers compute, holding at most this many MiB of
             gathered parameters ahead of use (the default holds two full default buckets;
             FSDP2 prefetches one module ahead). ``None`` or ``0`` gathers each bucket just before its use.
+        split_optimizer: order the optimizer's per-parameter updates by gradient bucket, so a
+            bucket's parameters update while later buckets are still communicating (updates
+            fused over all parameters, e.g. ``foreach``/``fused`` optimizers, stay whole).
         overlap: move each collective's wait to the first use of its result, so communication
             runs while the rest of the step computes. ``False`` waits right after issuing.
     """
@@ -45,6 +48,7 @@ class DataParallel:
     bucket_cap_mb: float | None = 25.0
     first_bucket_cap_mb: float = 1.0
     prefetch_cap_mb: float | None = 64.0
+    split_optimizer: bool = True
     overlap: bool = True
 
     def __post_init__(self):

@@ -16,6 +16,7 @@ from passes.inplace import reduce_in_place
 from passes.overlap import sink_waits
 from passes.prefetch import prefetch_all_gathers
 from passes.rank_check import place_rank_check
+from passes.split_optimizer import split_optimizer_by_bucket
 from passes.replicate import expand_replicate
 from spmd_compiler.tracing import trace_step
 from tests.models import BatchNormMLP, SimpleMLP, train_step
@@ -242,4 +243,31 @@ def test_bucketing_never_merges_a_collective_with_one_it_depends_on():
     gm = bucket_collectives(torch.fx.GraphModule(torch.nn.Module(), graph))
     groups = [r.meta[meta.COLLECTIVE]["params"] for r in _calls(gm, c10d.all_reduce.default)]
     assert groups == [["a"], ["b", "c"]]
+    gm.graph.lint()
+
+
+def test_split_optimizer_updates_the_first_bucket_first():
+    tr = _traced(opt_cls=torch.optim.Adam)
+    gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
+    # net2's gradients (produced first) fill bucket 0, net1's bucket 1.
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    reduces = _calls(gm, c10d.all_reduce.default)
+    assert [r.meta[meta.COLLECTIVE]["params"] for r in reduces] == [
+        ["net2.bias", "net2.weight"], ["net1.bias", "net1.weight"]]
+
+    def first_reader(gm, fqn):  # the optimizer's in-place update of the parameter
+        (update,) = [u for n in gm.graph.nodes if n.op == "placeholder"
+                     and n.meta.get(meta.ROLE) == meta.Role.PARAM and n.meta[meta.PARAM_FQN] == fqn
+                     for u in n.users if u.target._schema.is_mutable and u.args[0] is n]
+        return update
+
+    assert _order(gm)[first_reader(gm, "net1.weight")] < _order(gm)[first_reader(gm, "net2.weight")]
+    code_before = gm.code
+    gm = sink_waits(split_optimizer_by_bucket(gm))
+    order = _order(gm)
+    assert order[first_reader(gm, "net2.weight")] < order[first_reader(gm, "net1.weight")]
+    # bucket 1 is waited for only after bucket 0's parameters have been updated
+    wait1 = next(iter(reduces[1].users))
+    assert max(order[first_reader(gm, f)] for f in ("net2.weight", "net2.bias")) < order[wait1]
+    assert gm.code != code_before
     gm.graph.lint()
