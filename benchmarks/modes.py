@@ -189,11 +189,11 @@ ABLATIONS = {
         styles=("fully_shard",),
     ),
     "no_split_optimizer": Ablation(
-        "optimizer splitting off: the optimizer step stays in one piece",
+        "optimizer split off: updates run in the recorded (model) order, not by gradient bucket",
         parallel={"split_optimizer": False},
     ),
     "no_check_ranks": Ablation(
-        "rank checks off: no per-call all_gather by which ranks agree on recompiling",
+        "rank checks off: no per-call agreement all_gather, no per-compile program exchange",
         compile={"check_ranks": False},
     ),
 }

@@ -47,16 +47,15 @@ def _same_tensor_type(a: fx.Node, b: fx.Node) -> bool:
 
 def _owned_temporary(value, reader: fx.Node) -> bool:
     """Is ``value`` a fresh tensor made in the graph whose only reader is ``reader``, following
-    in-place ops back to the op that allocated it?"""
+    in-place and view ops back to the op that allocated it (each read by the next alone)?"""
     while True:
         if not isinstance(value, fx.Node) or value.op != "call_function" or list(value.users) != [reader]:
             return False
         schema = getattr(value.target, "_schema", None)
         if schema is None or len(schema.returns) != 1 or value.target in (c10d.wait_tensor.default,):
             return False
-        alias = schema.returns[0].alias_info
-        if alias is None:
+        if schema.returns[0].alias_info is None:
             return isinstance(value.meta.get("val"), torch.Tensor)
-        if not alias.is_write:  # a view shares storage with something else
-            return False
+        # an in-place op or a view (e.g. a reduce_scatter bucket's flattening view of its cat)
+        # of a tensor that, in turn, nobody else reads
         reader, value = value, value.args[0]

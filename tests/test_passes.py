@@ -158,6 +158,10 @@ def test_reduce_in_place_reuses_bucket_buffers_only():
     # Other divisions read tensors that something else reads too: they stay out of place.
     assert len(_calls(gm, torch.ops.aten.div.Tensor)) == divs_before - 1
     gm.graph.lint()
+    # fully_shard: the bucket's division works in place through the flattening view of its cat
+    gm = reduce_in_place(bucket_collectives(expand_fully_shard(_traced().gm, group_name="g", world_size=WORLD)))
+    (scatter,) = _calls(gm, c10d.reduce_scatter_tensor.default)
+    assert scatter.args[0].target is torch.ops.aten.div_.Tensor
 
 
 def _rank_check():
