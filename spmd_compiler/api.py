@@ -45,6 +45,7 @@ from .runtime import (
     CompiledGraph,
     communication_failures,
     default_mesh,
+    lifted_hparams,
     module_device,
     place_state,
 )
@@ -110,7 +111,8 @@ class CompiledStep:
         mesh = default_mesh(module_device(sa.module))
         key = step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
-        entry = next((e for e in self._cache.get(key, ()) if e.guards_hold(inputs)), None)
+        hparams = lifted_hparams(sa)
+        entry = next((e for e in self._cache.get(key, ()) if e.guards_hold(inputs, hparams)), None)
         pending = None
         if self.check_ranks:
             batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
@@ -197,7 +199,8 @@ class CompiledStep:
                 dump_index[0] += 1
 
         t = time.perf_counter()
-        traced = trace_step(self.fn, (), {}, step_args=sa)
+        traced = trace_step(self.fn, (), {}, step_args=sa,
+                            fuse_optimizer=self.parallel_mode.fuse_optimizer)
         stage("traced", traced.gm, t)
 
         t = time.perf_counter()
@@ -283,14 +286,34 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None]
     agreement) just before its first collective or state update (passes/rank_check.py), so the
     agreement's message travels while the forward computes. ``"inductor"`` hands the whole step graph to
     ``torch.compile`` (Inductor functionalizes it, keeps the functional collectives, reuses
-    buffers itself and compiles on the first run).
+    buffers itself and compiles on the first run), all but the fused optimizer kernels, which
+    run in place between the compiled regions.
     """
     if backend == "inductor":
-        return torch.compile(gm, backend="inductor", dynamic=True, fullgraph=True)
+        return torch.compile(fused_kernels_outside_compile(gm), backend="inductor", dynamic=True)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     runnable = reduce_in_place(torch.fx.GraphModule(gm, graph))
     return place_rank_check(runnable, rank_check) if rank_check else runnable
+
+
+def fused_kernels_outside_compile(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose fused optimizer kernels (``_fused_adam_`` ...) are called through
+    ``torch.compiler.disable``: torch.compile runs them as they are, in place, between the
+    compiled regions (Inductor has no kernel of its own for them and would copy every updated
+    tensor back)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.name.startswith("aten::_fused_"):
+            node.target = _eager_kernel(node.target)
+    return torch.fx.GraphModule(gm, graph)
+
+
+@functools.cache
+def _eager_kernel(op):
+    return torch.compiler.disable(op, reason="fused optimizer kernel: runs in place, uncompiled")
 
 
 def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
@@ -393,7 +416,7 @@ def step_key(sa: StepArgs) -> tuple:
 
 def _why(old: tuple, new: tuple) -> str:
     changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
-    return "changed " + ", ".join(changed) if changed else "input shapes outside the guards"
+    return "changed " + ", ".join(changed) if changed else "input shapes or a baked-in learning rate outside the guards"
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",

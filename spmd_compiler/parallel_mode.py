@@ -34,9 +34,12 @@ class DataParallel:
             they transfer while earlier layers compute, holding at most this many MiB of
             gathered parameters ahead of use (the default holds two full default buckets;
             FSDP2 prefetches one module ahead). ``None`` or ``0`` gathers each bucket just before its use.
-        split_optimizer: order the optimizer's per-parameter updates by gradient bucket, so a
-            bucket's parameters update while later buckets are still communicating (updates
-            fused over all parameters, e.g. ``foreach``/``fused`` optimizers, stay whole).
+        fuse_optimizer: record SGD, Adam and AdamW with their fused implementation (one kernel
+            over the parameters, not several passes per parameter) whatever ``foreach``/``fused``
+            the optimizer names. The update is the same up to float round-off.
+        split_optimizer: order the optimizer's updates by gradient bucket, so a bucket's
+            parameters update while later buckets are still communicating (a fused or
+            ``foreach`` update over all parameters is split into one per bucket).
         overlap: move each collective's wait to the first use of its result, so communication
             runs while the rest of the step computes. ``False`` waits right after issuing.
     """
@@ -48,6 +51,7 @@ class DataParallel:
     bucket_cap_mb: float | None = 25.0
     first_bucket_cap_mb: float = 1.0
     prefetch_cap_mb: float | None = 64.0
+    fuse_optimizer: bool = True
     split_optimizer: bool = True
     overlap: bool = True
 

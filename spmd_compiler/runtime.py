@@ -224,7 +224,11 @@ class CompiledGraph:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
 
-    def guards_hold(self, inputs: list[torch.Tensor]) -> bool:
+    def guards_hold(self, inputs: list[torch.Tensor], hparams: list[float]) -> bool:
+        """Do this call's batch inputs and lifted hyperparameters fit the graph?"""
+        for i, value in self.traced.specialized_hparams:
+            if hparams[i] != value:
+                return False
         for k, d, size in self.traced.specialized:
             if inputs[k].shape[d] != size:
                 return False
@@ -247,7 +251,8 @@ class CompiledGraph:
                         st[k] = ensure_padded(v, mesh)
                 state_of[id(p)] = st
         flat += [local_buffer(state_of[id(params[n])][k]) for n, k in tr.state_keys]
-        flat += [float(g["lr"]) for opt in sa.optimizers for g in opt.param_groups]
+        flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
+                 for v, as_tensor in zip(lifted_hparams(sa), tr.hparam_tensors)]
         flat += [sa.leaves[i] for i in sa.input_indices]
 
         with communication_failures("the compiled step",
@@ -265,6 +270,11 @@ class CompiledGraph:
         for j in sorted(tr.out_constants):
             leaves.insert(j, tr.out_constants[j])
         return pytree.tree_unflatten(leaves, tr.out_spec)
+
+
+def lifted_hparams(sa: StepArgs) -> list[float]:
+    """The values of the lifted hyperparameters (``lr`` of every param group), placeholder order."""
+    return [float(g["lr"]) for opt in sa.optimizers for g in opt.param_groups]
 
 
 _COMMUNICATION_FAILURES = ("timed out", "timeout", "connection closed", "connection reset",

@@ -48,6 +48,10 @@ from .errors import (
 
 LIFTED_HPARAMS = ("lr",)
 
+# Optimizers whose ``fused=True`` implementation computes the same update as their default and
+# ``foreach`` ones (one kernel over all parameters instead of several passes per parameter).
+FUSABLE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
 
 @dataclass
 class StepArgs:
@@ -78,6 +82,11 @@ class TracedStep:
     # (input position, dim, size) of batch dims the trace specialized to a constant (a batch of
     # one meeting a width-1 layer): the graph is valid only for that size.
     specialized: list[tuple[int, int, int]] = field(default_factory=list)
+    # per lifted hyperparameter: bound as a float64 0-d tensor (fused kernels) or a float
+    hparam_tensors: list[bool] = field(default_factory=list)
+    # (index, value) of hyperparameters the graph holds as constants: a call with another value
+    # needs another graph
+    specialized_hparams: list[tuple[int, float]] = field(default_factory=list)
     sharded_states: bool = False  # set by the compiler for fully_shard: states live padded
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
@@ -213,15 +222,39 @@ def _tag_regions():
         torch.autograd.backward = original
 
 
+def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
+    """Can ``group`` of ``opt`` run the fused implementation instead of the one it names?
+
+    SGD, Adam and AdamW (exactly these classes: a subclass may change the update) with floating
+    parameters on a device with fused kernels, not ``differentiable`` nor ``capturable``.
+    """
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    if type(opt) not in FUSABLE_OPTIMIZERS or group.get("differentiable") or group.get("capturable"):
+        return False
+    if group.get("fused"):
+        return True
+    devices = _get_fused_kernels_supported_devices()
+    params = group["params"]
+    return bool(params) and all(
+        p.device.type in devices and torch.is_floating_point(p) and not p.is_sparse for p in params
+    )
+
+
 @contextlib.contextmanager
-def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_of):
-    """Point the optimizers at fake params/states/lifted hparams; record each param's grad node."""
+def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_of, fuse=False):
+    """Point the optimizers at fake params/states/lifted hparams; record each param's grad node.
+    With ``fuse``, every param group that can runs its optimizer's fused implementation."""
     saved = []
     hooks = []
     hp = iter(hparams)
     for opt in optimizers:
         groups = [dict(g) for g in opt.param_groups]
         saved.append((opt, groups, opt.state))
+        if fuse:
+            for g in opt.param_groups:
+                if fusable(opt, g):
+                    g["fused"], g["foreach"] = True, False
         new_state = defaultdict(dict)
         for p, st in opt.state.items():
             fp = fake_of[id(p)]
@@ -265,9 +298,13 @@ def _global_meta(t: torch.Tensor):
 
 def trace_step(
     fn: Callable, args: tuple, kwargs: dict | None = None, input_batch_dim: Any = 0,
-    *, step_args: StepArgs | None = None,
+    *, step_args: StepArgs | None = None, fuse_optimizer: bool = False,
 ) -> TracedStep:
     """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
+
+    With ``fuse_optimizer``, SGD/Adam/AdamW param groups are recorded with their fused
+    implementation (one ``_fused_*_`` node per group and dtype) whatever ``foreach``/``fused``
+    they name: the same update, in one pass over the parameters.
 
     Reads live module/optimizer state only for shapes, dtypes and non-tensor settings; changes
     nothing. Writes node.meta ROLE, REGION, PARAM_FQN, STATE_KEY, INPUT_PATH, INPUT_BATCH_DIM.
@@ -324,12 +361,21 @@ def trace_step(
                         f"a tensor-valued {name!r} in the optimizer's param_groups is not "
                         f"supported; use a Python float (schedulers that change it work)."
                     )
-    hparams = []
+    # A fused kernel takes its learning rate as a float64 0-d tensor (a float argument would
+    # bake the value into the graph); everything else reads a SymFloat.
+    hparams, hparam_values, hparam_tensors = [], [], []
     for opt in sa.optimizers:
         for gi, g in enumerate(opt.param_groups):
+            as_tensor = fusable(opt, g) and (fuse_optimizer or bool(g.get("fused")))
             for name in LIFTED_HPARAMS:
-                src = ConstantSource(f"hparam_{len(hparams)}_{name}")
                 value = float(g[name])
+                hparam_values.append(value)
+                hparam_tensors.append(as_tensor)
+                if as_tensor:
+                    with fake_mode:
+                        hparams.append(torch.empty((), dtype=torch.float64))
+                    continue
+                src = ConstantSource(f"hparam_{len(hparams)}_{name}")
                 sym = shape_env.create_unspecified_symbol(value, src, dynamic_dim=DimDynamic.DYNAMIC)
                 hparams.append(shape_env.create_symfloatnode(sym, hint=value, source=src))
 
@@ -361,7 +407,7 @@ def trace_step(
         by_name.update({n: buffer_of[id(b)] for n, b in named_buffers})
         state_by_key = dict(zip(state_keys, states))
         with _reparametrize_module(module, by_name, strict=False), _tag_regions(), _bind_optimizers(
-            sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of
+            sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
         ):
             out = fn(*call_args, **call_kwargs)
             new_states = []
@@ -420,7 +466,8 @@ def trace_step(
     remove_profiler_nodes(gm)
     _check_matmul_dtypes(gm)
     _annotate(
-        gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, sa, grad_nodes
+        gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, len(hparams), sa,
+        grad_nodes,
     )
 
     missing = [fqn_of[id(p)] for p in unique_params if p.requires_grad and fqn_of[id(p)] not in grad_nodes]
@@ -437,12 +484,22 @@ def trace_step(
         state_keys=state_keys,
         new_state_keys=created,
         num_hparams=len(hparams),
+        hparam_tensors=hparam_tensors,
+        specialized_hparams=_specialized_hparams(shape_env, hparams, hparam_values),
         fake_inputs=fake_inputs,
         specialized=_specialized_batch_dims(shape_env, fake_inputs, sa.batch_dims),
         out_spec=out_info["spec"],
         out_constants=out_info["constants"],
         num_tensor_outputs=out_info["n"],
     )
+
+
+def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:
+    """(index, value) of the lifted hyperparameters that the trace baked in as constants (an op
+    that takes a plain float guarded on its value): the graph is valid only for those values."""
+    index = {h.node._expr: i for i, h in enumerate(hparams) if isinstance(h, torch.SymFloat)}  # unreplaced
+    baked = {index[s] for g in shape_env.guards for s in g.expr.free_symbols if s in index}
+    return [(i, values[i]) for i in sorted(baked)]
 
 
 def _specialized_batch_dims(shape_env, fake_inputs, batch_dims) -> list[tuple[int, int, int]]:
@@ -507,7 +564,8 @@ def _describe_trace_failure(e: Exception) -> str:
     return f"recording the step failed at {where}: {type(e).__name__}: {first_line}"
 
 
-def _annotate(gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, sa, grad_nodes):
+def _annotate(gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, num_hparams, sa,
+              grad_nodes):
     """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders and grads; REGION on all."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     it = iter(placeholders)
@@ -524,9 +582,8 @@ def _annotate(gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_ke
         n.meta[meta.ROLE] = meta.Role.OPT_STATE
         n.meta[meta.PARAM_FQN] = fqn
         n.meta[meta.STATE_KEY] = k
-    for n in placeholders[len(unique_params) + len(unique_buffers) + len(state_keys):]:
-        if n.meta.get("val") is not None and not isinstance(n.meta["val"], torch.Tensor):
-            n.meta[meta.ROLE] = meta.Role.HPARAM
+    for _ in range(num_hparams):
+        next(it).meta[meta.ROLE] = meta.Role.HPARAM
     inputs = [n for n in placeholders if meta.ROLE not in n.meta]
     for n, i, d in zip(inputs, sa.input_indices, sa.batch_dims):
         n.meta[meta.ROLE] = meta.Role.INPUT

@@ -21,14 +21,19 @@ def inductor_parity_job(style: str) -> dict:
     torch.manual_seed(0)
     model = SimpleMLP()
     ddp = DDP(deepcopy(model))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # stateless: one compile
+    # stateless: one compile; the fused SGD kernel runs between the compiled regions, and the
+    # scheduler's learning rates reach it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    sched, ddp_sched = (torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ddp_opt))
     step = spmd_compile(DataParallel(style), backend="inductor")(train_step)
     worst = 0.0
     for i, batch_size in enumerate([16, 16, 16, 11]):
         batch = tuple(rank_data(100 + i, (batch_size, 50), (batch_size, 8)))
         loss = step(model, opt, batch)
         ref = train_step(ddp, ddp_opt, batch)
+        sched.step()
+        ddp_sched.step()
         assert torch.allclose(loss, ref, rtol=RTOL, atol=ATOL * 100), (i, loss, ref)
         for p, q in zip(model.parameters(), ddp.parameters()):
             full = p.full_tensor()

@@ -141,7 +141,7 @@ def test_non_zero_batch_dim_fused_adam():
     out_t = next(n for n in calls(gm, aten.t.default) if n.args[0].target == aten.sigmoid.default)
     assert placement(out_t) == Shard(1)
     check_roles(gm)
-    (adam,) = calls(gm, aten._fused_adam_.default)
+    (adam,) = calls(gm, aten._fused_adam_.tensor_lr)
     assert placement(adam) == [AVG] * 4  # what it writes into each parameter / state
 
 

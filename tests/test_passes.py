@@ -275,3 +275,63 @@ def test_split_optimizer_updates_the_first_bucket_first():
     assert max(order[first_reader(gm, f)] for f in ("net2.weight", "net2.bias")) < order[wait1]
     assert gm.code != code_before
     gm.graph.lint()
+
+
+@pytest.mark.parametrize("kwargs", [{"fused": True}, {"foreach": True}])
+def test_split_optimizer_splits_fused_and_foreach_updates_per_bucket(kwargs):
+    """A fused (or foreach) update over every parameter becomes one update per gradient bucket,
+    the first-issued bucket's first, each after its own bucket's wait and before the next
+    bucket's; the split graph computes exactly what the unsplit one does."""
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, **kwargs)
+    batch = (torch.randn(16, 50), torch.randn(16, 8))
+    train_step(model, opt, batch)  # state exists: the steady-state graph
+    tr = trace_step(train_step, (model, opt, batch), {})
+    gm = expand_replicate(tr.gm, group_name="g", world_size=1)
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    reduces = _calls(gm, c10d.all_reduce.default)
+    assert len(reduces) == 2
+
+    def list_updates(gm):
+        return [n for n in gm.graph.nodes if n.op == "call_function"
+                and hasattr(n.target, "_schema")
+                and n.target._schema.name.startswith(("aten::_fused_adam_", "aten::_foreach_addcdiv_"))]
+
+    assert len(list_updates(gm)) == 1
+    flat = [p.detach().clone() for p in model.parameters()]
+    flat += [v.clone() for p in model.parameters() for v in opt.state[p].values()]
+    flat += [torch.tensor(0.1, dtype=torch.float64) if kwargs.get("fused") else 0.1, *batch]
+    unsplit = [t.clone() if isinstance(t, torch.Tensor) else t for t in flat]
+    _run_with_identity_collectives(gm, unsplit)
+
+    gm = sink_waits(split_optimizer_by_bucket(gm))
+    updates = list_updates(gm)
+    assert len(updates) == 2
+    order = _order(gm)
+    waits = [next(iter(r.users)) for r in reduces]
+    assert order[waits[0]] < order[updates[0]] < order[waits[1]] < order[updates[1]]
+    params = [[p.meta[meta.PARAM_FQN] for p in u.args[0]] for u in updates]
+    assert sorted(params[0]) == ["net2.bias", "net2.weight"]
+    assert sorted(params[1]) == ["net1.bias", "net1.weight"]
+    gm.graph.lint()
+    split = [t.clone() if isinstance(t, torch.Tensor) else t for t in flat]
+    _run_with_identity_collectives(gm, split)
+    for a, b in zip(unsplit, split):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+
+
+def _run_with_identity_collectives(gm, flat):
+    """Run ``gm`` in one process, each all_reduce replaced by its input (world size 1)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
+        if node.target is c10d.wait_tensor.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.target is c10d.all_reduce.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph)(*flat)

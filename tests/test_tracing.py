@@ -256,12 +256,61 @@ def test_fused_adam_is_one_node():
     torch.manual_seed(0)
     model = SimpleMLP()
     model, opt = warmed_up(model, torch.optim.Adam(model.parameters(), lr=0.1, fused=True))
-    gm = trace_step(train_step, (model, opt, batch())).gm
-    fused = [n for n in gm.graph.nodes if n.target == aten._fused_adam_.default]
+    tr = trace_step(train_step, (model, opt, batch()))
+    gm = tr.gm
+    fused = [n for n in gm.graph.nodes if n.target == aten._fused_adam_.tensor_lr]
     assert len(fused) == 1
     params_arg = fused[0].args[0]
     assert [p.meta[meta.ROLE] for p in params_arg] == [Role.PARAM] * 4
     assert not [n for n in gm.graph.nodes if n.target == aten._local_scalar_dense.default]
+    # the learning rate is a float64 0-d tensor input, not a constant baked into the graph
+    lr = fused[0].kwargs["lr"]
+    assert lr.op == "placeholder" and lr.meta[meta.ROLE] == Role.HPARAM
+    assert lr.meta["val"].dtype == torch.float64 and tr.hparam_tensors == [True]
+    assert tr.specialized_hparams == []
+
+
+@pytest.mark.parametrize("opt_cls, kwargs, target", [
+    (torch.optim.Adam, {}, aten._fused_adam_.tensor_lr),
+    (torch.optim.Adam, {"foreach": True}, aten._fused_adam_.tensor_lr),
+    (torch.optim.AdamW, {"weight_decay": 0.1}, aten._fused_adamw_.tensor_lr),
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, aten._fused_sgd_.tensor_lr),
+])
+def test_fuse_optimizer_records_the_fused_kernel(opt_cls, kwargs, target):
+    """``fuse_optimizer`` records one fused kernel for a default or foreach optimizer, with the
+    learning rate as an input, and leaves the live optimizer's settings alone."""
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    model, opt = warmed_up(model, opt_cls(model.parameters(), lr=0.1, **kwargs))
+    before = [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups]
+    tr = trace_step(train_step, (model, opt, batch()), fuse_optimizer=True)
+    assert len([n for n in tr.gm.graph.nodes if n.target == target]) == 1
+    assert not [n for n in tr.gm.graph.nodes if "_foreach_" in str(n.target) and "add_" not in str(n.target)]
+    assert tr.hparam_tensors == [True] and tr.specialized_hparams == []
+    assert before == [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups]
+
+
+def test_a_float_learning_rate_baked_in_is_a_guard():
+    """An op that takes the learning rate as a plain float bakes its value into the graph; the
+    trace reports it so the runtime recompiles for another value instead of using a stale one."""
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    model, opt = warmed_up(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step(model, optim, batch):
+        optim.zero_grad()
+        x, y = batch
+        loss = (model(x) - y).sum()
+        loss.backward()
+        lr = optim.param_groups[0]["lr"]
+        with torch.no_grad():
+            torch._fused_sgd_(list(model.parameters()), [p.grad for p in model.parameters()], [],
+                              weight_decay=0.0, momentum=0.0, lr=lr, dampening=0.0,
+                              nesterov=False, maximize=False, is_first_step=False)
+        return loss
+
+    tr = trace_step(step, (model, opt, batch()))
+    assert tr.specialized_hparams == [(0, 0.1)]
 
 
 def test_foreach_adam_reads_step_from_state():
