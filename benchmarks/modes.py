@@ -115,6 +115,20 @@ def _prepare_ddp(spec: ModelSpec, world_size: int) -> Runner:
     return Runner(lambda batch: train_step(ddp, optim, batch), ddp.module, optim)
 
 
+def _prepare_ddp_tuned(spec: ModelSpec, world_size: int) -> Runner:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:
+        from spmd_compiler.runtime import retain_host_memory
+    except ImportError as e:
+        raise NotAvailable(f"spmd_compiler not importable: {e}") from e
+    retain_host_memory()
+    ddp = DDP(spec.build())
+    optim = dataclasses.replace(spec.optim, impl="fused").build(ddp.parameters())
+    train_step = make_train_step(spec.loss_fn)
+    return Runner(lambda batch: train_step(ddp, optim, batch), ddp.module, optim)
+
+
 def _prepare_fsdp2(spec: ModelSpec, world_size: int) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -188,9 +202,18 @@ ABLATIONS = {
         parallel={"prefetch_cap_mb": 0},
         styles=("fully_shard",),
     ),
+    "no_fuse_optimizer": Ablation(
+        "optimizer fusion off: the optimizer runs the implementation it names (CPU default: "
+        "several passes per parameter), not its fused kernel",
+        parallel={"fuse_optimizer": False},
+    ),
     "no_split_optimizer": Ablation(
         "optimizer split off: updates run in the recorded (model) order, not by gradient bucket",
         parallel={"split_optimizer": False},
+    ),
+    "no_retain_host_memory": Ablation(
+        "host memory returned to the OS between steps (glibc's default), not kept for the next step",
+        compile={"retain_host_memory": False},
     ),
     "no_check_ranks": Ablation(
         "rank checks off: no per-call agreement all_gather, no per-compile program exchange",
@@ -325,6 +348,13 @@ def all_modes(spmd: list[Mode] | None = None) -> dict[str, Mode]:
     """
     modes = [
         Mode("ddp", _prepare_ddp, _replicate_comm, "eager DistributedDataParallel"),
+        Mode(
+            "ddp_tuned",
+            _prepare_ddp_tuned,
+            _replicate_comm,
+            "eager DDP tuned by hand as spmd_compiler does by default: the optimizer's "
+            "fused=True kernel and retain_host_memory()",
+        ),
         Mode(
             "fsdp2",
             _prepare_fsdp2,

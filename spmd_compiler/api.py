@@ -48,6 +48,7 @@ from .runtime import (
     lifted_hparams,
     module_device,
     place_state,
+    retain_host_memory,
 )
 from .tracing import LIFTED_HPARAMS, StepArgs, split_step_args, trace_step
 
@@ -73,7 +74,7 @@ class CompiledStep:
     def __init__(self, fn: Callable, parallel_mode: DataParallel, *, backend: str = "eager",
                  dump_dir: str | None = None,
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
-                 check_ranks: bool = True):
+                 check_ranks: bool = True, retain_host_memory: bool = True):
         if not isinstance(parallel_mode, DataParallel):
             raise SPMDError(
                 f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
@@ -87,6 +88,7 @@ class CompiledStep:
         self.dump_dir = dump_dir or os.environ.get("SPMD_DUMP_DIR") or None
         self.gm_transformation = gm_transformation
         self.check_ranks = check_ranks
+        self.retain_host_memory = retain_host_memory
         self._cache: dict[tuple, list[CompiledGraph]] = {}
         self._last_key: tuple | None = None
         self.compile_count = 0
@@ -144,6 +146,8 @@ class CompiledStep:
                 agree_on_program(description, mesh.get_group())
         elif isinstance(description, Exception):
             raise description
+        if self.retain_host_memory:
+            retain_host_memory()
         start = time.perf_counter()
         # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
         place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard")
@@ -313,7 +317,12 @@ def fused_kernels_outside_compile(gm: torch.fx.GraphModule) -> torch.fx.GraphMod
 
 @functools.cache
 def _eager_kernel(op):
-    return torch.compiler.disable(op, reason="fused optimizer kernel: runs in place, uncompiled")
+    @torch.compiler.disable(reason="fused optimizer kernel: runs in place, uncompiled")
+    def run(*args, **kwargs):
+        return op(*args, **kwargs)
+
+    run.__name__ = f"eager_{op.__name__.replace('.', '_')}"
+    return run
 
 
 def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
@@ -420,7 +429,8 @@ def _why(old: tuple, new: tuple) -> str:
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
-                 dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True):
+                 dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True,
+                 retain_host_memory: bool = True):
     """Decorator: compile a single-device training step for data parallelism.
 
     Args:
@@ -434,12 +444,17 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             all ranks agree on when to recompile (one small all_gather per call, awaited by the
             eager graph just before its first collective or state update). Turn off only
             when inputs are known to agree across ranks; a disagreement then hangs or diverges.
+        retain_host_memory: keep the host memory a step frees for the next one instead of
+            returning it to the OS (glibc malloc settings, process-wide, set at the first
+            compile; see ``runtime.retain_host_memory``). Saves re-faulting every step's
+            activations and buckets; resident memory stays at the step's peak.
     """
     mode = parallel_mode or DataParallel("replicate")
 
     def decorate(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
-                            gm_transformation=gm_transformation, check_ranks=check_ranks)
+                            gm_transformation=gm_transformation, check_ranks=check_ranks,
+                            retain_host_memory=retain_host_memory)
 
     return decorate
 
