@@ -232,6 +232,7 @@ def _worker_main(
 
     dump_file = open(stack_dump_path, "w")  # kept open for the life of the worker
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
+    faulthandler.enable(all_threads=True)  # a fatal signal (abort, segfault) prints every stack
     threading.Thread(target=_watch_test_process, args=(test_pid,), daemon=True).start()
 
     if os.path.exists("/sys/class/net/lo"):
