@@ -193,6 +193,10 @@ ABLATIONS = {
         "bucketing off: one collective per parameter instead of flat buckets",
         parallel={"bucket_cap_mb": 0},
     ),
+    "bucket_all": Ablation(
+        "large tensors bucketed too (own_collective_mb=None): every collective joins a bucket",
+        parallel={"own_collective_mb": None},
+    ),
     "no_overlap": Ablation(
         "overlap off: each collective is waited on right after it is issued, not at its first use",
         parallel={"overlap": False},

@@ -27,7 +27,9 @@ class _Member:
     nbytes: int
 
 
-def _members(graph: fx.Graph, target) -> list[_Member]:
+def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Member]:
+    """The per-parameter collectives of ``target`` that may join a bucket: those whose input and
+    output are smaller than ``own_cap`` bytes (larger ones keep their own collective)."""
     out = []
     for node in graph.nodes:
         if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params"):
@@ -40,6 +42,9 @@ def _members(graph: fx.Graph, target) -> list[_Member]:
         source = scale.args[0] if scale is not None else inp
         nbytes = tensor_bytes(source.meta.get("val"))
         if nbytes is None:
+            continue
+        whole = max(nbytes, tensor_bytes(waits[0].meta.get("val")) or 0)  # a gather's output
+        if own_cap is not None and whole >= own_cap:
             continue
         out.append(_Member(node, waits[0], source, scale, nbytes))
     return out
@@ -89,9 +94,14 @@ def _numel(node: fx.Node) -> int:
 
 def bucket_collectives(
     gm: fx.GraphModule, *, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
+    own_collective_mb: float | None = 1.0,
 ) -> fx.GraphModule:
     """Merge gradient all_reduces (replicate), gradient reduce_scatters and parameter all_gathers
     (fully_shard) into flat buckets.
+
+    A tensor of at least ``own_collective_mb`` MiB keeps its own collective: merging it would
+    copy its bytes into the bucket (and, for gathers, out again) to save one collective's fixed
+    latency, which costs far less than the copy at that size. ``None`` buckets every tensor.
 
     Reads: COLLECTIVE meta (per-parameter collectives have a non-empty ``params`` list), the
     ``div`` before each gradient collective, node.meta["val"]. Writes: per bucket one ``cat`` of
@@ -103,19 +113,20 @@ def bucket_collectives(
     """
     graph = gm.graph
     cap, first_cap = int(bucket_cap_mb * MB), int(first_bucket_cap_mb * MB)
+    own_cap = int(own_collective_mb * MB) if own_collective_mb else None
     index = 0
     for target, merge in (
         (c10d.all_reduce.default, _merge_all_reduce),
         (c10d.reduce_scatter_tensor.default, _merge_reduce_scatter),
     ):
-        members = _members(graph, target)
+        members = _members(graph, target, own_cap)
         if not members:
             continue
         for bucket in _buckets(members, cap, first_cap, _dependency_check(graph, members)):
             merge(graph, bucket, index)
             index += 1
     for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
-        members = [m for m in _members(graph, c10d.all_gather_into_tensor.default)
+        members = [m for m in _members(graph, c10d.all_gather_into_tensor.default, own_cap)
                    if m.issue.meta.get(meta.REGION) == region]
         if not members:
             continue

@@ -331,7 +331,7 @@ def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
     if mode.bucket_cap_mb:
         passes.append(("bucketing", functools.partial(
             bucket_collectives, bucket_cap_mb=mode.bucket_cap_mb,
-            first_bucket_cap_mb=mode.first_bucket_cap_mb)))
+            first_bucket_cap_mb=mode.first_bucket_cap_mb, own_collective_mb=mode.own_collective_mb)))
     if mode.prefetch_cap_mb and mode.parallel_style == "fully_shard":
         passes.append(("prefetch", functools.partial(
             prefetch_all_gathers, prefetch_cap_mb=mode.prefetch_cap_mb)))

@@ -30,6 +30,10 @@ class DataParallel:
         bucket_cap_mb: merge per-parameter collectives into flat buckets of at most this many
             MiB (DDP's default 25; the first gradient bucket is at most ``first_bucket_cap_mb``
             so communication starts early). ``None`` or ``0`` turns bucketing off.
+        own_collective_mb: a parameter or gradient of at least this many MiB keeps its own
+            collective instead of joining a bucket: merging would copy its bytes into the bucket
+            (and out again for gathers), which costs more than the one collective's latency it
+            saves. ``None`` buckets every tensor.
         prefetch_cap_mb: fully_shard only. Issue parameter all-gathers ahead of their use so
             they transfer while earlier layers compute, holding at most this many MiB of
             gathered parameters ahead of use (the default holds two full default buckets;
@@ -50,6 +54,7 @@ class DataParallel:
     broadcast_buffers: bool = True
     bucket_cap_mb: float | None = 25.0
     first_bucket_cap_mb: float = 1.0
+    own_collective_mb: float | None = 1.0
     prefetch_cap_mb: float | None = 64.0
     fuse_optimizer: bool = True
     split_optimizer: bool = True

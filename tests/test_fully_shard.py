@@ -198,6 +198,9 @@ CASES: dict[str, dict] = {
     "adamw_weight_decay": dict(model="SimpleMLP",
                                optim=("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
                                compiles=2, bwd=_MLP_BWD),
+    # net1.weight (6.4 KB) keeps its own all_gathers and reduce_scatter, the rest are bucketed.
+    "own_collective_and_bucket": dict(model="SimpleMLP", optim=("Adam", {"lr": 0.01}),
+                                      compiles=2, bwd=_MLP_BWD, mode={"own_collective_mb": 0.004}),
     "adam_fused_no_reshard": dict(model="SimpleMLP", optim=("Adam", {"lr": 0.01, "fused": True}),
                                   raf=False, compiles=2, bwd=_MLP_BWD),
     "sgd_momentum_no_reshard": dict(model="SimpleMLP",
@@ -234,11 +237,11 @@ CASES: dict[str, dict] = {
 # --------------------------------------------------------------------------------------------------
 
 
-def _mode(raf: bool = True, batch_dim: int = 0, bucketing: bool = True):
+def _mode(raf: bool = True, batch_dim: int = 0, bucketing: bool = True, **options):
     """DataParallel("fully_shard", ...) with bucketing off on request (when the option exists)."""
     from spmd_compiler.parallel_mode import DataParallel
 
-    kwargs = dict(reshard_after_forward=raf, input_batch_dim=batch_dim)
+    kwargs = dict(reshard_after_forward=raf, input_batch_dim=batch_dim, **options)
     if not bucketing and "bucket_cap_mb" in {f.name for f in dataclasses.fields(DataParallel)}:
         kwargs["bucket_cap_mb"] = None
     return DataParallel("fully_shard", **kwargs)
@@ -384,7 +387,8 @@ def _run_case(case: dict) -> dict:
     step_fn = STEP_FNS[case.get("step", "train_step")]
     batch_dim = case.get("batch_dim", 0)
     # The seed's spelling.
-    compiled = spmd_api_compile(parallel_mode=_mode(case.get("raf", True), batch_dim))(step_fn)
+    compiled = spmd_api_compile(
+        parallel_mode=_mode(case.get("raf", True), batch_dim, **case.get("mode", {})))(step_fn)
 
     chk = _Checker()
     counts, norms = [], []

@@ -127,6 +127,31 @@ def test_bucketing_fully_shard_packs_shards_per_rank():
     assert scatters[0].args[0].meta["val"].numel() == WORLD * sum(rows.values())
     assert gathers[0].args[0].meta["val"].numel() == sum(rows.values())
 
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_bucketing_leaves_large_tensors_their_own_collective(style):
+    """net1.weight (6.4 KB) is at least own_collective_mb: its collectives are not merged (no
+    copy into a bucket); the three small tensors still share one bucket per collective kind."""
+    tr = _traced()
+    if style == "replicate":
+        gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
+    else:
+        gm = expand_fully_shard(tr.gm, group_name="g", world_size=WORLD)
+    gm = bucket_collectives(gm, own_collective_mb=4000 / 2**20)
+    kinds = ([c10d.all_reduce.default] if style == "replicate"
+             else [c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default])
+    for kind in kinds:
+        params = [n.meta[meta.COLLECTIVE]["params"] for n in _calls(gm, kind)]
+        alone = [p for p in params if p == ["net1.weight"]]
+        merged = [p for p in params if p != ["net1.weight"]]
+        assert alone and all("net1.weight" not in p for p in merged)
+        assert sorted(merged[0]) == ["net1.bias", "net2.bias", "net2.weight"]  # (forward) bucket
+        for n in _calls(gm, kind):  # the large tensor's collective reads no bucket ``cat``
+            if n.meta[meta.COLLECTIVE]["params"] == ["net1.weight"]:
+                assert meta.BUCKET not in n.meta
+                assert torch.ops.aten.cat.default not in {a.target for a in n.all_input_nodes}
+    gm.graph.lint()
+
+
 def test_sink_waits_moves_each_wait_to_its_first_user():
     tr = _traced()
     gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)

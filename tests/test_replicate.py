@@ -96,6 +96,16 @@ CASES: dict[str, dict] = {
         compiles=2,
     ),
     "tied_weights": dict(model="TiedMLP", optim=("Adam", {"lr": 0.01}), compiles=2),
+    # net1.weight (6.4 KB) keeps its own all_reduce, the rest share a bucket; the optimizer is
+    # the recorded foreach one, split per bucket, not the fused kernel.
+    "own_collective_and_bucket_unfused": dict(
+        model="SimpleMLP", optim=("Adam", {"lr": 0.01, "foreach": True}), compiles=2,
+        mode={"own_collective_mb": 0.004, "fuse_optimizer": False},
+    ),
+    "own_collective_and_bucket_fused": dict(
+        model="SimpleMLP", optim=("Adam", {"lr": 0.01}), compiles=2,
+        mode={"own_collective_mb": 0.004},
+    ),
 }
 
 
@@ -215,7 +225,8 @@ def _run_case(case: dict) -> dict:
     sched, ddp_sched = _make_scheduler(opt, case), _make_scheduler(ddp_opt, case)
     step_fn = STEP_FNS[case.get("step", "train_step")]
     # The seed's spelling.
-    compiled = spmd_api_compile(parallel_mode=DataParallel("replicate"))(step_fn)
+    compiled = spmd_api_compile(parallel_mode=DataParallel("replicate", **case.get("mode", {})))(
+        step_fn)
 
     chk = _Checker()
     counts = []
