@@ -7,6 +7,7 @@ the Python + torch baseline, which is reported separately as ``rss_base_bytes``)
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import resource
 import socket
@@ -151,6 +152,7 @@ def _profile(job: Job, rank: int, runner, batch, steps: int = 3) -> dict | None:
 def rank_main(rank: int, job: Job, port: int, out_dir: str) -> None:
     """Entry point of one rank: init gloo on loopback, measure, write ``rank{r}.pt``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faulthandler.enable(all_threads=True)  # a crash (abort, segfault) prints every stack
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",

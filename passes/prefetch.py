@@ -16,7 +16,9 @@ def prefetch_all_gathers(gm: fx.GraphModule, *, prefetch_cap_mb: float = 64.0) -
     Gathers are taken in graph order (forward, then the backward's re-gathers). Gather k's issue
     (with the nodes that build its input, e.g. a bucket's ``cat``) moves to just after the wait
     of gather j < k, the earliest j for which the gathers j+1..k, fetched ahead of their use,
-    hold at most ``prefetch_cap_mb`` MiB. A gather larger than the cap stays where it is. Waits
+    hold at most ``prefetch_cap_mb`` MiB; j is in k's region, so the backward's re-gathers are
+    not pulled into the forward (where they would keep the parameters that
+    ``reshard_after_forward`` frees). A gather larger than the cap stays where it is. Waits
     stay in place (just before the first use), so the result is only read once it is needed.
     Gathers in the optimizer region (none today) are left alone: it updates the shards.
 
@@ -31,10 +33,12 @@ def prefetch_all_gathers(gm: fx.GraphModule, *, prefetch_cap_mb: float = 64.0) -
         and n.meta.get(meta.REGION) != meta.Region.OPTIMIZER
     ]
     sizes = [tensor_bytes(issue.meta.get("val")) for issue, _ in gathers]
+    regions = [issue.meta.get(meta.REGION) for issue, _ in gathers]
     last_moved = {}  # gather j -> the last node moved to follow its wait
     for k in range(1, len(gathers)):
         ahead, j = 0, k
-        while j > 0 and sizes[j] is not None and ahead + sizes[j] <= cap:
+        while (j > 0 and regions[j - 1] == regions[k] and sizes[j] is not None
+               and ahead + sizes[j] <= cap):
             ahead += sizes[j]
             j -= 1
         if j < k:  # issue gather k right after gather j's wait (and earlier prefetches there)

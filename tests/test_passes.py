@@ -241,10 +241,14 @@ def test_prefetch_issues_gathers_early_within_the_memory_cap(cap_bytes):
         assert ahead == [0] * len(before)
     else:  # net1.bias and net2.* are fetched while net1 computes; 10**6 holds them all
         assert ahead[1] > 0
-    if cap_bytes == 10**6:
+    if cap_bytes == 10**6:  # every forward gather issued before the first forward use ...
         order = _order(gm)
         first_use = min(next(iter(issues[0].users)).users, key=order.__getitem__)
-        assert all(order[i] < order[first_use] for i in issues)
+        forward = [i for i in issues if i.meta[meta.REGION] == meta.Region.FORWARD]
+        assert all(order[i] < order[first_use] for i in forward)
+        # ... and no backward re-gather before the forward is done with its gathered copies
+        last_forward_wait = max(order[next(iter(i.users))] for i in forward)
+        assert all(order[i] > last_forward_wait for i in issues if i not in forward)
     gm.graph.lint()
 
 
