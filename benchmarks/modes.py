@@ -220,7 +220,7 @@ ABLATIONS = {
         compile={"retain_host_memory": False},
     ),
     "no_check_ranks": Ablation(
-        "rank checks off: no per-call agreement all_gather, no per-compile program exchange",
+        "rank checks off: no per-call agreement all_reduce, no per-compile program exchange",
         compile={"check_ranks": False},
     ),
 }

@@ -1,4 +1,5 @@
-"""In place: let the eager backend reduce gradient buckets in the buffer it just built.
+"""In place: let the eager backend reduce gradient buckets in the buffer it just built, and
+gather parameters into a buffer it allocates (``gather_into_preallocated``).
 
 The expanded graph is functional: ``div`` makes a new tensor and ``all_reduce`` clones its input
 before reducing it. For a bucket (``cat`` of gradients, ``div`` by the world size, ``all_reduce``)
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from . import meta
 from .collectives import aten, c10d
 
 _INPLACE = {
@@ -35,6 +37,39 @@ def reduce_in_place(gm: fx.GraphModule) -> fx.GraphModule:
             continue  # dividing by a tensor may broadcast or promote: not in place
         node.target = inplace
     gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def gather_into_preallocated(gm: fx.GraphModule) -> fx.GraphModule:
+    """Turn each ``all_gather_into_tensor(x, n, group)`` into ``all_gather_into_tensor_out`` on
+    an ``empty`` output made just before it.
+
+    The functional form reaches gloo through ``allgather_into_tensor_coalesced`` (gloo's
+    coalesced all-gather, with its own flat copies); the ``out`` form through ``_allgather_base``,
+    the plain all-gather DDP and FSDP use. Same values, same wait.
+
+    Reads: all_gather_into_tensor nodes and their meta["val"]. Writes: one ``empty`` node per
+    gather, the gather's target and kwargs; recompiles.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.target is not c10d.all_gather_into_tensor.default or not isinstance(val, torch.Tensor):
+            continue
+        try:
+            shape = [int(d) for d in val.shape]
+        except (TypeError, ValueError):
+            continue  # a symbolic size: leave the functional form
+        with graph.inserting_before(node):
+            out = graph.call_function(aten.empty.memory_format, (shape,),
+                                      {"dtype": val.dtype, "device": val.device})
+        out.meta["val"] = val
+        if meta.REGION in node.meta:
+            out.meta[meta.REGION] = node.meta[meta.REGION]
+        node.target = c10d.all_gather_into_tensor_out.default
+        node.kwargs = {"out": out}
+    graph.lint()
     gm.recompile()
     return gm
 

@@ -21,7 +21,7 @@ from passes import batch_dim
 from passes.bucketing import bucket_collectives
 from passes.cleanup import eliminate_dead_code
 from passes.overlap import sink_waits
-from passes.inplace import reduce_in_place
+from passes.inplace import gather_into_preallocated, reduce_in_place
 from passes.prefetch import prefetch_all_gathers
 from passes.rank_check import place_rank_check
 from passes.split_optimizer import split_optimizer_by_bucket
@@ -297,7 +297,7 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None]
         return torch.compile(fused_kernels_outside_compile(gm), backend="inductor", dynamic=True)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    runnable = reduce_in_place(torch.fx.GraphModule(gm, graph))
+    runnable = gather_into_preallocated(reduce_in_place(torch.fx.GraphModule(gm, graph)))
     return place_rank_check(runnable, rank_check) if rank_check else runnable
 
 
@@ -441,7 +441,7 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
         dump_dir: write every stage's graph (and a summary) here; also ``SPMD_DUMP_DIR``.
         gm_transformation: an extra ``GraphModule -> GraphModule`` applied after the built-in passes.
         check_ranks: verify that every rank compiles the same program (at compile time) and that
-            all ranks agree on when to recompile (one small all_gather per call, awaited by the
+            all ranks agree on when to recompile (one small all_reduce per call, awaited by the
             eager graph just before its first collective or state update). Turn off only
             when inputs are known to agree across ranks; a disagreement then hangs or diverges.
         retain_host_memory: keep the host memory a step frees for the next one instead of

@@ -4,7 +4,7 @@ Ranks that disagree (another model, optimizer config, batch structure, a branch 
 only, a batch size outside the guards on one rank) would otherwise enter mismatched collectives
 and hang or compute garbage. Two checks prevent that:
 
-- per call, ``agree_on_compile``: one small all_gather of (needs a compile?, local batch size);
+- per call, ``agree_on_compile``: one small all_reduce of every rank's (needs a compile?, local batch size);
   if some ranks would recompile and others would not, every rank raises the same error. A
   rank running a cached eager graph only issues it (``start_agreement``) and lets the graph
   await it (``await_agreement``) before its first collective or state update;
@@ -60,14 +60,19 @@ class PendingAgreement:
 
 
 def start_agreement(status: int, batch_size: int, reason: str, group) -> PendingAgreement | None:
-    """Issue the per-call all_gather of (status, local batch size); None on a single rank."""
+    """Issue the per-call exchange of (status, local batch size); None on a single rank.
+
+    Each rank fills its own row of a ``world x 2`` table of zeros and the table is summed with
+    one all_reduce (gloo's most used path; its list all_gather copies through a flat buffer on
+    its worker thread), so every rank ends with every rank's row.
+    """
     world = dist.get_world_size(group)
     if world == 1:
         return None
-    mine = torch.tensor([status, batch_size], dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(everyone, mine, group=group, async_op=True)
-    return PendingAgreement(work, everyone, status, reason)
+    table = torch.zeros(world, 2, dtype=torch.int64)
+    table[dist.get_rank(group)] = torch.tensor([status, batch_size], dtype=torch.int64)
+    work = dist.all_reduce(table, group=group, async_op=True)
+    return PendingAgreement(work, list(table.unbind(0)), status, reason)
 
 
 def finish_agreement(pending: PendingAgreement | None) -> None:

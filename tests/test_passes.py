@@ -12,7 +12,7 @@ from passes import meta
 from passes.bucketing import bucket_collectives
 from passes.collectives import COLLECTIVE_OPS, c10d
 from passes.fully_shard import expand_fully_shard, shard_rows
-from passes.inplace import reduce_in_place
+from passes.inplace import gather_into_preallocated, reduce_in_place
 from passes.overlap import sink_waits
 from passes.prefetch import prefetch_all_gathers
 from passes.rank_check import place_rank_check
@@ -364,3 +364,19 @@ def _run_with_identity_collectives(gm, flat):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     return torch.fx.GraphModule(gm, graph)(*flat)
+
+
+def test_gather_into_preallocated_uses_the_out_form_on_an_empty_of_the_gathered_shape():
+    tr = _traced()
+    gm = bucket_collectives(expand_fully_shard(tr.gm, group_name="g", world_size=WORLD))
+    shapes = [list(n.meta["val"].shape) for n in _calls(gm, c10d.all_gather_into_tensor.default)]
+    assert shapes
+    gm = gather_into_preallocated(gm)
+    assert not _calls(gm, c10d.all_gather_into_tensor.default)
+    outs = _calls(gm, c10d.all_gather_into_tensor_out.default)
+    assert [n.kwargs["out"].args[0] for n in outs] == shapes
+    for n in outs:  # the same input, group size and group; the wait reads the filled buffer
+        assert n.kwargs["out"].target is torch.ops.aten.empty.memory_format
+        assert n.args[1:] == (WORLD, "g")
+        assert [u.target for u in n.users] == [c10d.wait_tensor.default]
+    gm.graph.lint()
