@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -283,8 +284,6 @@ def _spmd_backends(results: dict, style: str) -> dict[str, dict[str, dict]]:
 
 
 def _geomean(values: list[float]) -> float:
-    import math
-
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 

@@ -44,7 +44,7 @@ def split_optimizer_by_bucket(gm: fx.GraphModule) -> fx.GraphModule:
         if length:
             groups: dict[int, list[int]] = {}
             for j in range(length):
-                groups.setdefault(ranks.of(*_element_access(node, j, length)), []).append(j)
+                groups.setdefault(ranks.of(*_access(node, j, length)), []).append(j)
             if len(groups) > 1:
                 parts = _split(graph, node, [groups[r] for r in sorted(groups)], length)
                 first = parts[0] if node is first else first
@@ -80,8 +80,8 @@ class _Ranks:
                    + [self.read_rank.get(s, 0) for s in writes])
 
     def visit(self, node: fx.Node) -> None:
-        reads, writes = _storage_access(node)
-        r = max(self.of(node.all_input_nodes, reads, writes), self.arrival.get(node, 0))
+        inputs, reads, writes = _access(node)
+        r = max(self.of(inputs, reads, writes), self.arrival.get(node, 0))
         self.rank[node] = r
         for s in reads:
             self.read_rank[s] = max(self.read_rank.get(s, 0), r)
@@ -107,24 +107,6 @@ def _list_length(node: fx.Node) -> int | None:
         return None
     length = lengths.pop()
     return length if length > 1 else None
-
-
-def _element_access(node: fx.Node, j: int, length: int):
-    """(input nodes, storages read, storages written) of element ``j`` of a list op."""
-    schema = node.target._schema
-    inputs, reads, writes = [], set(), set()
-    values = [(v, a) for v, a in zip(node.args, schema.arguments)]
-    values += [(v, next((a for a in schema.arguments if a.name == k), None)) for k, v in node.kwargs.items()]
-    for value, arg in values:
-        items = [value[j]] if isinstance(value, (list, tuple)) and len(value) == length else (
-            value if isinstance(value, (list, tuple)) else [value])
-        items = [v for v in items if isinstance(v, fx.Node)]
-        inputs += items
-        bases = {_base(v) for v in items}
-        reads |= bases
-        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
-            writes |= bases
-    return inputs, reads, writes
 
 
 def _split(graph: fx.Graph, node: fx.Node, groups: list[list[int]], length: int) -> list[fx.Node]:
@@ -154,24 +136,29 @@ def _split(graph: fx.Graph, node: fx.Node, groups: list[list[int]], length: int)
     return parts
 
 
-def _storage_access(node: fx.Node) -> tuple[set[fx.Node], set[fx.Node]]:
-    """The storages (base nodes) ``node`` reads and the ones it writes in place."""
-    reads, writes = set(), set()
-    schema = getattr(node.target, "_schema", None)
+def _access(node: fx.Node, j: int | None = None, length: int = 0):
+    """(input nodes, storages read, storages written in place) of ``node``, or of element ``j``
+    of a list op whose index-aligned lists have ``length`` elements."""
     if node.op != "call_function":
-        return reads, writes
-    arguments = schema.arguments if schema is not None else []
-    for i, value in enumerate(node.args):
-        values = value if isinstance(value, (list, tuple)) else [value]
-        bases = {_base(v) for v in values if isinstance(v, fx.Node)}
+        return list(node.all_input_nodes), set(), set()
+    schema = getattr(node.target, "_schema", None)
+    positional = list(schema.arguments) if schema is not None else []
+    named = {a.name: a for a in positional}
+    values = [(v, positional[i] if i < len(positional) else None) for i, v in enumerate(node.args)]
+    values += [(v, named.get(k)) for k, v in node.kwargs.items()]
+    inputs, reads, writes = [], set(), set()
+    for value, arg in values:
+        if isinstance(value, (list, tuple)):
+            items = [value[j]] if j is not None and len(value) == length else list(value)
+        else:
+            items = [value]
+        items = [v for v in items if isinstance(v, fx.Node)]
+        inputs += items
+        bases = {_base(v) for v in items}
         reads |= bases
-        info = arguments[i].alias_info if i < len(arguments) else None
-        if info is not None and info.is_write:
+        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
             writes |= bases
-    for value in node.kwargs.values():
-        values = value if isinstance(value, (list, tuple)) else [value]
-        reads |= {_base(v) for v in values if isinstance(v, fx.Node)}
-    return reads, writes
+    return inputs, reads, writes
 
 
 def _base(value: fx.Node) -> fx.Node:

@@ -129,7 +129,7 @@ class CompiledStep:
         if entry is None:
             entry = self._compile(sa, mesh, key)
         with torch.no_grad(), agreement_in_flight(pending):
-            return entry(sa, mesh)
+            return entry(sa, mesh, hparams)
 
     # -- compiling ----------------------------------------------------------------------------
 

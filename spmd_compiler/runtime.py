@@ -239,7 +239,8 @@ class CompiledGraph:
             return True
         return bool(self.traced.shape_env.evaluate_guards_expression(self.guard_code, inputs))
 
-    def __call__(self, sa: StepArgs, mesh: DeviceMesh) -> Any:
+    def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float]) -> Any:
+        """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``."""
         tr = self.traced
         module = sa.module
         params = _named_unique(module.named_parameters(remove_duplicate=False))
@@ -255,7 +256,7 @@ class CompiledGraph:
                 state_of[id(p)] = st
         flat += [local_buffer(state_of[id(params[n])][k]) for n, k in tr.state_keys]
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
-                 for v, as_tensor in zip(lifted_hparams(sa), tr.hparam_tensors)]
+                 for v, as_tensor in zip(hparams, tr.hparam_tensors)]
         flat += [sa.leaves[i] for i in sa.input_indices]
 
         with communication_failures("the compiled step",
