@@ -17,16 +17,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from passes import batch_dim
-from passes.bucketing import bucket_collectives
-from passes.cleanup import eliminate_dead_code
-from passes.overlap import sink_waits
-from passes.inplace import gather_into_preallocated, reduce_in_place
-from passes.prefetch import prefetch_all_gathers
-from passes.rank_check import place_rank_check
-from passes.split_optimizer import split_optimizer_by_bucket
-from passes.fully_shard import ShardingError, expand_fully_shard
-from passes.replicate import expand_replicate
+from spmd_compiler.passes import batch_dim
+from spmd_compiler.passes.bucketing import bucket_collectives
+from spmd_compiler.passes.cleanup import eliminate_dead_code
+from spmd_compiler.passes.overlap import sink_waits
+from spmd_compiler.passes.inplace import gather_into_preallocated, reduce_in_place
+from spmd_compiler.passes.prefetch import prefetch_all_gathers
+from spmd_compiler.passes.rank_check import place_rank_check
+from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
+from spmd_compiler.passes.fully_shard import ShardingError, expand_fully_shard
+from spmd_compiler.passes.replicate import expand_replicate
 
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import DataParallel

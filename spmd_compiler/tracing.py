@@ -34,8 +34,8 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch.nn.utils.stateless import _reparametrize_module
 
-from passes import meta
-from passes.cleanup import remove_profiler_nodes
+from spmd_compiler.passes import meta
+from spmd_compiler.passes.cleanup import remove_profiler_nodes
 
 from .errors import (
     BatchDimError,

@@ -25,7 +25,7 @@ import torch.fx as fx
 from tabulate import tabulate
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from passes.meta import (
+from spmd_compiler.passes.meta import (
     BUCKET, COLLECTIVE, INPUT_PATH, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role,
 )
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 from tabulate import tabulate
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from passes.batch_dim import BatchDimError, annotate_placements
-from passes.meta import PLACEMENT, REGION, ROLE, Role
+from spmd_compiler.passes.batch_dim import BatchDimError, annotate_placements
+from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Role
 from spmd_compiler.tracing import trace_step
 
 aten = torch.ops.aten
@@ -368,7 +368,7 @@ def test_functional_collectives_after_expansion():
     """all_reduce makes Partial gradients Replicate, so the optimizer region is Replicate."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from passes.replicate import expand_replicate
+    from spmd_compiler.passes.replicate import expand_replicate
 
     model = SimpleMLP()
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -414,7 +414,7 @@ def test_fully_shard_expanded_graph(make_optim):
     of squares until its all_reduce."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from passes.fully_shard import expand_fully_shard
+    from spmd_compiler.passes.fully_shard import expand_fully_shard
 
     model = SimpleMLP()
     gm = trace_step(clip_step, (model, make_optim(model.parameters()),

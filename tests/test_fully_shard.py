@@ -333,7 +333,7 @@ def compare_with_reference(chk: _Checker, where: str, model, opt, ref_model, ref
 def graph_collectives(gm) -> dict:
     """What the final graph communicates: node counts per kind, the parameters each kind covers
     (from the collective meta; a bucket lists several), and the all_reduce result shapes."""
-    from passes import meta
+    from spmd_compiler.passes import meta
 
     c10d = torch.ops._c10d_functional
     kinds = {

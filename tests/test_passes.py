@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from passes import meta
-from passes.bucketing import bucket_collectives
-from passes.collectives import COLLECTIVE_OPS, c10d
-from passes.fully_shard import expand_fully_shard, shard_rows
-from passes.inplace import gather_into_preallocated, reduce_in_place
-from passes.overlap import sink_waits
-from passes.prefetch import prefetch_all_gathers
-from passes.rank_check import place_rank_check
-from passes.split_optimizer import split_optimizer_by_bucket
-from passes.replicate import expand_replicate
+from spmd_compiler.passes import meta
+from spmd_compiler.passes.bucketing import bucket_collectives
+from spmd_compiler.passes.collectives import COLLECTIVE_OPS, c10d
+from spmd_compiler.passes.fully_shard import expand_fully_shard, shard_rows
+from spmd_compiler.passes.inplace import gather_into_preallocated, reduce_in_place
+from spmd_compiler.passes.overlap import sink_waits
+from spmd_compiler.passes.prefetch import prefetch_all_gathers
+from spmd_compiler.passes.rank_check import place_rank_check
+from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
+from spmd_compiler.passes.replicate import expand_replicate
 from spmd_compiler.tracing import trace_step
 from tests.models import BatchNormMLP, SimpleMLP, train_step
 

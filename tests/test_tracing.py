@@ -14,8 +14,8 @@ import sympy
 import torch
 import torch.nn as nn
 
-from passes import meta
-from passes.meta import Region, Role
+from spmd_compiler.passes import meta
+from spmd_compiler.passes.meta import Region, Role
 from spmd_compiler.tracing import trace_step
 from tests.models import BatchNormMLP, SimpleMLP, TiedMLP, mse_step, train_step
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from passes.meta import BUCKET, COLLECTIVE, PARAM_FQN, PLACEMENT, REGION, ROLE, Region, Role
+from spmd_compiler.passes.meta import BUCKET, COLLECTIVE, PARAM_FQN, PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler import visualize
 from spmd_compiler.tracing import trace_step
 
@@ -137,7 +137,7 @@ def test_every_collective_drawn_once(tmp_path, expanded):
 
 
 def test_real_replicate_expansion_is_drawn_and_summarized():
-    from passes.replicate import expand_replicate
+    from spmd_compiler.passes.replicate import expand_replicate
 
     model, gm = _traced()
     gm = expand_replicate(gm, group_name="0", world_size=2)
