@@ -9,7 +9,7 @@ and hang or compute garbage. Two checks prevent that:
   rank running a cached eager graph only issues it (``start_agreement``) and lets the graph
   await it (``await_agreement``) before its first collective or state update;
 - per compile, ``agree_on_program``: ranks exchange a description of what they compiled (or the
-  error they hit) with ``all_gather_object``; any difference, or any rank's failure, raises on
+  error they hit) as pickled bytes in one all_reduce; any difference, or any rank's failure, raises on
   every rank naming the ranks and the first difference.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import pickle
 import sys
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from passes import meta
+from spmd_compiler.passes import meta
 
 from .errors import SPMDError
 from .tracing import StepArgs
@@ -173,8 +174,7 @@ def agree_on_program(description: dict[str, Any] | Exception, group) -> None:
         return
     mine = ("error", f"{type(description).__name__}: {description}") \
         if isinstance(description, Exception) else ("ok", description)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = exchange_objects(mine, group)
     if isinstance(description, Exception):
         raise description
     failed = [(r, msg) for r, (status, msg) in enumerate(everyone) if status == "error"]
@@ -192,6 +192,24 @@ def agree_on_program(description: dict[str, Any] | Exception, group) -> None:
                     f"Every rank must run the same model, optimizer configuration and batch "
                     f"structure, and take the same Python branches in the step."
                 )
+
+
+def exchange_objects(obj: Any, group) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order.
+
+    Each rank pickles its object into its own row of a zero ``world x max_len`` byte table and the
+    table is summed with one all_reduce (after one all_reduce of the lengths). Unlike
+    ``all_gather_object`` this needs no numpy and stays on gloo's plain all_reduce path.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    lengths = torch.zeros(world, dtype=torch.int64)
+    lengths[rank] = mine.numel()
+    dist.all_reduce(lengths, group=group)
+    table = torch.zeros(world, int(lengths.max()), dtype=torch.uint8)
+    table[rank, : mine.numel()] = mine
+    dist.all_reduce(table, group=group)
+    return [pickle.loads(bytes(table[r, : int(n)].tolist())) for r, n in enumerate(lengths)]
 
 
 def _short(value: Any, limit: int = 300) -> str:

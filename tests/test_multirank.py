@@ -279,9 +279,9 @@ def test_identical_failures_are_shown_once(pool3):
 
 def _job_gloo_peer_address():
     # every rank reports the interface gloo was told to use (an all_gather through gloo itself)
-    addresses = [None] * dist.get_world_size()
-    dist.all_gather_object(addresses, os.environ.get("GLOO_SOCKET_IFNAME"))
-    return addresses
+    from spmd_compiler.consistency import exchange_objects
+
+    return exchange_objects(os.environ.get("GLOO_SOCKET_IFNAME"), None)
 
 
 def test_gloo_stays_on_loopback(pool2):

@@ -288,7 +288,7 @@ def xy(i: int, b: int = BATCH, dtype=None):
 
 
 def collectives(compiled) -> list[dict]:
-    from passes import meta
+    from spmd_compiler.passes import meta
 
     gm = compiled.last_compiled.traced.gm
     return [n.meta[meta.COLLECTIVE] for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE)]
@@ -620,7 +620,7 @@ def catalogue_job(plan: dict[str, tuple[str, ...]]) -> dict:
 
 
 def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).tolist())
 
 
 def _tensor_record(t) -> tuple:
