@@ -30,6 +30,7 @@ from spmd_compiler.passes.replicate import expand_replicate
 
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import DataParallel
+from .eager import attach as attach_eager_use, refuse_bound
 from .consistency import (
     CACHED,
     COMPILE,
@@ -136,6 +137,7 @@ class CompiledStep:
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
         """Build the graph, check that every rank built the same, then place the live state."""
         try:
+            refuse_bound(sa.module)
             gm, traced, guard_code, seconds, runnable = self._build(
                 sa, mesh.get_group().group_name, mesh.size(), key)
             description = describe_program(gm, sa, guard_code)
@@ -151,6 +153,7 @@ class CompiledStep:
         start = time.perf_counter()
         # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
         place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard")
+        attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
         key = step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager")
