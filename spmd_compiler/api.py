@@ -26,6 +26,7 @@ from spmd_compiler.passes.prefetch import prefetch_all_gathers
 from spmd_compiler.passes.rank_check import place_rank_check
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 from spmd_compiler.passes.fully_shard import ShardingError, expand_fully_shard
+from spmd_compiler.passes.grad_outputs import output_gradients
 from spmd_compiler.passes.replicate import expand_replicate
 
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
@@ -237,6 +238,8 @@ class CompiledStep:
                 traced.gm, group_name=group_name, world_size=world_size,
                 broadcast_buffers=mode.broadcast_buffers,
             )
+        if mode.keep_grads:
+            gm = output_gradients(gm)
         if not exact:
             analyze(gm)
         stage("expanded", gm, t)
