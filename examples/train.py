@@ -231,6 +231,9 @@ def main(argv=None) -> None:
     val_loader = DataLoader(val_set, batch_size=256,
                             sampler=DistributedSampler(val_set, shuffle=False))
     per_epoch = len(loader)
+    if per_epoch == 0:
+        raise SystemExit(f"--train-size {args.train_size} gives no full batch of {args.batch_size} "
+                         f"on each of {world} ranks")
 
     step = 0
     resume = latest_checkpoint(args.ckpt_dir)
