@@ -354,3 +354,65 @@ def step_inside_unsharded_job(mode: str) -> dict:
 def test_compiled_step_inside_unsharded_is_refused(pool2, mode):
     for out in pool2.run(step_inside_unsharded_job, mode):
         assert out["error"] and "unsharded(model)" in out["error"], out
+
+
+def _alone_rank(rank: int, port: int, timeout_s: float, results) -> None:
+    """Rank 1 calls a fully_shard model outside the step; rank 0 never does (it sleeps)."""
+    import os
+    import sys
+    import traceback
+    from datetime import timedelta
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from spmd_compiler import DataParallel, spmd_compile
+    from tests.models import SimpleMLP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=timeout_s))
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    spmd_compile(DataParallel("fully_shard"))(mse_step)(model, opt, (torch.randn(4, 50), torch.randn(4, 8)))
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            time.sleep(timeout_s + 2)  # past rank 1's timeout, so that is what ends its wait
+            return
+        with torch.no_grad():
+            model(torch.randn(2, 50))
+        results.put((rank, "ran", "", time.monotonic() - started))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, type(e).__name__, str(e) + traceback.format_exc(), time.monotonic() - started))
+    finally:
+        os._exit(0)
+
+
+def test_a_rank_alone_in_an_eager_gather_gets_a_clear_error_not_a_hang():
+    """With the process group's timeout (3 s here) the lone rank raises a CollectiveError that
+    says why, well before the 30 s patience warning would be due."""
+    import multiprocessing as mp
+
+    from tests.test_faults import _port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    timeout_s = 3.0
+    port = _port()
+    procs = [ctx.Process(target=_alone_rank, args=(r, port, timeout_s, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    reports = {}
+    while not results.empty():
+        rank, kind, message, seconds = results.get()
+        reports[rank] = (kind, message, seconds)
+    assert 1 in reports, f"rank 1 reported nothing (exit codes {[p.exitcode for p in procs]})"
+    kind, message, seconds = reports[1]
+    assert kind == "CollectiveError", (kind, message)
+    assert "every rank must make the same calls" in message and "all_gather" in message, message
+    assert seconds < timeout_s * 3, f"rank 1 waited {seconds:.1f}s with a {timeout_s}s timeout"
