@@ -15,9 +15,9 @@ afterwards:
 With grad enabled the binding is differentiable and its backward is DDP's: gradients are
 averaged over ranks (all_reduce, or reduce_scatter for shards) and land in ``p.grad`` as DTensors
 placed like the parameters. ``unsharded(model)`` binds once for a whole block (``generate()``
-calls the model once per token). Inside the compiled step and while tracing the parameter slots
-hold the graph's own tensors, so the hooks see no placed parameter and do nothing; the compiled
-step itself never calls a module.
+calls the model once per token). While the step is traced the parameter slots hold the
+tracer's tensors, so the hooks see no placed parameter and return at once; the compiled step
+itself never calls a module.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ class _BindParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, eager: EagerUse, *params: DTensor):
-        ctx.eager = eager
+        ctx.eager, ctx.params = eager, params
         # A local tensor is returned as a detached alias (same storage): autograd then makes the
         # alias this function's output and leaves the DTensor's own local tensor alone.
         out = tuple(t if _sharded(p) else t.detach() for t, p in zip(eager._plain_tensors(), params))
@@ -267,7 +267,7 @@ class _BindParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         eager: EagerUse = ctx.eager
-        params = eager.params
+        params = ctx.params
         out: list[DTensor | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.requires_grad]
         for sharded in (False, True):
