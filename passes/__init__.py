@@ -1,1 +1,1 @@
-"""Pure FX graph passes over a traced training step. Imports only torch, sympy and networkx."""
+"""Pure FX graph passes over a traced training step. Imports only torch and sympy."""

@@ -94,9 +94,9 @@ def expand_fully_shard(
     shards (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
     forward use, and with ``reshard_after_forward`` a second gather (and re-derived views) before
     its first backward use; each gradient padded, divided by the world size and
-    ``reduce_scatter``-ed, its optimizer uses reading the shard; reductions over shards inside the
-    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole. Buffers
-    are broadcast from rank 0 as in replicate.
+    ``reduce_scatter``-ed, its optimizer uses reading the shard (the wait, marked SYNCED_GRAD);
+    reductions over shards inside the optimizer region (e.g. a global grad norm) get the
+    all_reduce that makes them whole. Buffers are broadcast from rank 0 as in replicate.
     """
     graph = gm.graph
     world = world_size
@@ -186,6 +186,7 @@ def expand_fully_shard(
                     graph, c10d.all_reduce.default, (x, "sum", group_name),
                     val=val, region=region, kind="all_reduce", params=[fqn],
                 )
+        reduced.meta[meta.SYNCED_GRAD] = fqn
         for u in users:
             u.replace_input_with(grad, reduced)
 

@@ -44,4 +44,12 @@ PLACEMENT = "spmd_placement"
 
 # Written by the expansion passes (replicate / fully_shard) and the optimizers of collectives.
 COLLECTIVE = "spmd_collective"  # dict(kind=str, bytes=int, params=list[str]) on the issuing node
+# str: the parameter whose gradient, averaged over ranks, this node holds (the wait of its
+# all_reduce; in fully_shard of its reduce_scatter: the padded local shard). Expansion only.
+SYNCED_GRAD = "spmd_synced_grad"
 BUCKET = "spmd_bucket"  # int: bucket index of a collective node
+
+# GraphModule.meta keys (on the graph, not a node).
+# list[str]: the parameters whose averaged gradients passes/grad_outputs.py appended, in order,
+# to the end of the graph's outputs.
+KEPT_GRADS = "spmd_kept_grads"

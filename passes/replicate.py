@@ -15,7 +15,8 @@ def expand_replicate(
 
     Reads: ROLE (GRAD nodes, BUFFER placeholders), PARAM_FQN, REGION, node.meta["val"].
     Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
-    (DDP divides before it sums); every later use of the gradient reads the averaged value.
+    (DDP divides before it sums); every later use of the gradient reads the averaged value
+    (the wait node, marked SYNCED_GRAD).
     With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
     of the step (DDP's default). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
     """
@@ -32,6 +33,7 @@ def expand_replicate(
                 val=val, region=grad.meta.get(meta.REGION), kind="all_reduce",
                 params=[grad.meta[meta.PARAM_FQN]],
             )
+        averaged.meta[meta.SYNCED_GRAD] = grad.meta[meta.PARAM_FQN]
         for user in users:
             user.replace_input_with(grad, averaged)
     gm.recompile()

@@ -26,10 +26,12 @@ from spmd_compiler.passes.prefetch import prefetch_all_gathers
 from spmd_compiler.passes.rank_check import place_rank_check
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 from spmd_compiler.passes.fully_shard import ShardingError, expand_fully_shard
+from spmd_compiler.passes.grad_outputs import output_gradients
 from spmd_compiler.passes.replicate import expand_replicate
 
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import DataParallel
+from .eager import attach as attach_eager_use, refuse_bound
 from .consistency import (
     CACHED,
     COMPILE,
@@ -136,6 +138,7 @@ class CompiledStep:
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
         """Build the graph, check that every rank built the same, then place the live state."""
         try:
+            refuse_bound(sa.module)
             gm, traced, guard_code, seconds, runnable = self._build(
                 sa, mesh.get_group().group_name, mesh.size(), key)
             description = describe_program(gm, sa, guard_code)
@@ -151,6 +154,7 @@ class CompiledStep:
         start = time.perf_counter()
         # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
         place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard")
+        attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
         key = step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager")
@@ -234,6 +238,8 @@ class CompiledStep:
                 traced.gm, group_name=group_name, world_size=world_size,
                 broadcast_buffers=mode.broadcast_buffers,
             )
+        if mode.keep_grads:
+            gm = output_gradients(gm)
         if not exact:
             analyze(gm)
         stage("expanded", gm, t)

@@ -46,6 +46,11 @@ class DataParallel:
             ``foreach`` update over all parameters is split into one per bucket).
         overlap: move each collective's wait to the first use of its result, so communication
             runs while the rest of the step computes. ``False`` waits right after issuing.
+        keep_grads: after each step leave in ``p.grad`` what DDP leaves there: the gradient
+            averaged over ranks (after any in-place change the step made, e.g. clipping), as a
+            DTensor placed like the parameter (``Shard(0)`` under fully_shard, as FSDP2). Costs
+            one gradient-sized tensor per parameter (1/world of it sharded) held between steps;
+            ``False`` (default) frees the gradients inside the step.
     """
 
     parallel_style: str = "replicate"
@@ -59,6 +64,7 @@ class DataParallel:
     fuse_optimizer: bool = True
     split_optimizer: bool = True
     overlap: bool = True
+    keep_grads: bool = False
 
     def __post_init__(self):
         if self.parallel_style not in _STYLES:

@@ -21,6 +21,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from spmd_compiler.passes import meta
+
 from .errors import CollectiveError
 from .tracing import StepArgs, TracedStep
 
@@ -212,6 +214,16 @@ def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh
     return DTensor.from_local(buffer, mesh, [Replicate()], run_check=False)
 
 
+def grad_like(g: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """A gradient the graph returned (whole, or a padded local shard) as ``param.grad``: a DTensor
+    with the parameter's placement, shape and stride."""
+    if not isinstance(param, DTensor):
+        return g
+    if param.placements[0].is_shard():
+        g = g[: layout_for(param, True, mesh.size()).valid_rows(mesh.get_local_rank())]
+    return DTensor(g, param._spec, requires_grad=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Running
 
@@ -226,6 +238,10 @@ class CompiledGraph:
     static_key: tuple
     stage_seconds: dict[str, float] = field(default_factory=dict)
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
+    kept_grads: list[str] = field(init=False)  # parameters whose gradient the graph returns last
+
+    def __post_init__(self):
+        self.kept_grads = list(self.traced.gm.meta.get(meta.KEPT_GRADS, ()))
 
     def guards_hold(self, inputs: list[torch.Tensor], hparams: list[float]) -> bool:
         """Do this call's batch inputs and lifted hyperparameters fit the graph?"""
@@ -258,6 +274,13 @@ class CompiledGraph:
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
                  for v, as_tensor in zip(hparams, tr.hparam_tensors)]
         flat += [sa.leaves[i] for i in sa.input_indices]
+        if self.kept_grads:
+            for fqn in self.kept_grads:  # free the last step's before this one makes new ones
+                params[fqn].grad = None
+        else:
+            eager = module.__dict__.get("_spmd_eager")
+            if eager is not None and eager.grads_written:  # an eager backward's, now stale
+                eager.clear_grads()
 
         with communication_failures("the compiled step",
                                     "Parameters and optimizer state on this rank may be partly "
@@ -270,6 +293,10 @@ class CompiledGraph:
             for (fqn, k), t in zip(tr.new_state_keys, outs[n_out:]):
                 p = params[fqn]
                 opt_of[id(p)].state[p][k] = state_from_local(t, p, mesh)
+        if self.kept_grads:
+            grads = outs[len(outs) - len(self.kept_grads):]
+            for fqn, g in zip(self.kept_grads, grads):
+                params[fqn].grad = grad_like(g, params[fqn], mesh)
         leaves = list(outs[:n_out])
         for j in sorted(tr.out_constants):
             leaves.insert(j, tr.out_constants[j])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,21 +17,31 @@ from tests.models import SimpleMLP, train_step
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "spmd_compiler", *args], cwd=ROOT,
+def _run(*args, timeout=600, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "spmd_compiler", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_demo_trains_both_modes_like_ddp_and_writes_dumps(tmp_path):
-    out = _run("demo", "--steps", "4", "--dump-dir", str(tmp_path))
+def test_the_readme_demo_command_trains_both_modes_like_ddp(tmp_path):
+    """``python -m spmd_compiler demo`` exactly as the README has it, from a folder outside the
+    repository (so the installed package is what runs)."""
+    out = _run("demo", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    for mode in ("replicate", "fully_shard"):
-        assert f"{mode}" in out.stdout and "-> OK" in out.stdout
-        top = {p.name for p in (tmp_path / mode).iterdir()}
-        first = {p.name for p in (tmp_path / mode / "compile_0").iterdir()}
-        assert "summary.txt" in top and "summary.txt" in first
-        assert any(name.endswith("_traced.dot") for name in first)
+    results = re.findall(r"^  (\w+) +max \|param - DDP\| over (\d+) steps = (\S+) "
+                         r"\(tolerance (\S+)\) -> (\w+)", out.stdout, re.M)
+    assert [(m, n, ok) for m, n, _, _, ok in results] == [
+        ("replicate", "20", "OK"), ("fully_shard", "20", "OK")], out.stdout
+    assert all(float(err) <= float(tol) for _, _, err, tol, _ in results)
     assert "collectives per step" in out.stdout
+    dumps = Path(re.search(r"^graph dumps: (.+)$", out.stdout, re.M).group(1))
+    try:
+        for mode in ("replicate", "fully_shard"):
+            top = {p.name for p in (dumps / mode).iterdir()}
+            first = {p.name for p in (dumps / mode / "compile_0").iterdir()}
+            assert "summary.txt" in top and "summary.txt" in first
+            assert any(name.endswith("_traced.dot") for name in first)
+    finally:
+        shutil.rmtree(dumps, ignore_errors=True)
 
 
 def test_demo_exits_nonzero_when_parity_fails(tmp_path):
