@@ -37,6 +37,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
 
+from . import fake_kernels  # noqa: F401  (Meta kernels the fused optimizers lack)
 from .errors import (
     BatchDimError,
     MissingGradientError,
