@@ -50,6 +50,7 @@ class ModelSpec:
     batch: int
     optim: OptimConfig = field(default_factory=OptimConfig)
     blocks: tuple[type, ...] = ()
+    speed: bool = True  # run by default by benchmarks.run (the memory workloads are not)
 
 
 def make_train_step(loss_fn):
@@ -188,8 +189,7 @@ class GPT(nn.Module):
         return self.head(self.ln_f(self.blocks(x)))
 
 
-def _gpt_batch(gen: torch.Generator, b: int) -> Batch:
-    cfg = GPTConfig()
+def _gpt_batch(gen: torch.Generator, b: int, cfg: GPTConfig = GPTConfig()) -> Batch:
     tokens = torch.randint(0, cfg.vocab, (b, cfg.seq + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -261,6 +261,55 @@ def _image_batch(gen: torch.Generator, b: int) -> Batch:
     return torch.randn(b, 3, 64, 64, generator=gen), torch.randint(0, 10, (b,), generator=gen)
 
 
+# --- memory workloads -----------------------------------------------------------------------
+
+
+class LinearBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class StateHeavy(nn.Module):
+    """8 x Linear(2048, 2048) + ReLU and a Linear(2048, 8) head: 33.6M parameters whose
+    parameters, gradients and Adam state dwarf the activations of a small batch."""
+
+    def __init__(self, width: int = 2048, depth: int = 8, out: int = 8):
+        super().__init__()
+        self.blocks = nn.Sequential(*[LinearBlock(width) for _ in range(depth)])
+        self.head = nn.Linear(width, out)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def _state_heavy_batch(gen: torch.Generator, b: int) -> Batch:
+    return torch.randn(b, 2048, generator=gen), torch.randn(b, 8, generator=gen)
+
+
+DEEP_GPT = GPTConfig(vocab=4096, seq=128, dim=256, heads=4, layers=8)
+
+
+def checkpointed(model: nn.Module, blocks: tuple[type, ...]) -> nn.Module:
+    """``model`` with every block wrapped in a non-reentrant ``checkpoint_wrapper`` (as
+    torchtitan and torch's FSDP benchmarks apply activation checkpointing)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(
+            m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, blocks))
+    return model
+
+
+def _deep_gpt_batch(gen: torch.Generator, b: int) -> Batch:
+    return _gpt_batch(gen, b, DEEP_GPT)
+
+
 # --- registry ---------------------------------------------------------------------------------
 
 MODELS: dict[str, ModelSpec] = {
@@ -311,6 +360,36 @@ MODELS: dict[str, ModelSpec] = {
             F.cross_entropy,
             batch=8,
             blocks=(ConvNeXtBlock,),
+        ),
+        ModelSpec(
+            "state_heavy",
+            "8 x Linear(2048, 2048)+ReLU, Linear(2048, 8) head, MSE (memory)",
+            StateHeavy,
+            _state_heavy_batch,
+            _mse_loss,
+            batch=4,
+            blocks=(LinearBlock,),
+            speed=False,
+        ),
+        ModelSpec(
+            "deep_gpt",
+            "GPT 8 layers, dim 256, 4 heads, seq 128, vocab 4096, tied head (memory)",
+            lambda: GPT(DEEP_GPT),
+            _deep_gpt_batch,
+            _lm_loss,
+            batch=16,
+            blocks=(GPTBlock,),
+            speed=False,
+        ),
+        ModelSpec(
+            "deep_gpt_ckpt",
+            "deep_gpt with every block in a non-reentrant checkpoint_wrapper (memory)",
+            lambda: checkpointed(GPT(DEEP_GPT), (GPTBlock,)),
+            _deep_gpt_batch,
+            _lm_loss,
+            batch=16,
+            blocks=(GPTBlock,),
+            speed=False,
         ),
     )
 }

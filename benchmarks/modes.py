@@ -40,6 +40,7 @@ class Runner:
     compile_seconds: Callable[[], float | None] = lambda: None
     compiles: Callable[[], int | None] = lambda: None
     collectives: Callable[[], dict | None] = lambda: None
+    estimated_peak: Callable[[], int | None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Mode:
     style: str | None = None
     ablation: str | None = None
     ablation_of: str | None = None
+    variant: str | None = None  # a setting of VARIANTS applied to the spmd mode ``ablation_of``
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -173,15 +175,18 @@ class Ablation:
     parallel: dict[str, Any] = field(default_factory=dict)
     compile: dict[str, Any] = field(default_factory=dict)
     styles: tuple[str, ...] = STYLES
+    meta_init: bool = False  # build the model under torch.device("meta")
 
     def overrides(self) -> str:
         """The settings changed, e.g. ``DataParallel(bucket_cap_mb=0)``."""
         calls = (("DataParallel", self.parallel), ("spmd_compile", self.compile))
-        return " ".join(
+        text = " ".join(
             f"{call}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
             for call, kwargs in calls
             if kwargs
         )
+        return (text + " " if text else "") + ('with torch.device("meta"): model = ...'
+                                                if self.meta_init else "")
 
 
 ALL_PASSES_ON = Ablation("every pass on")
@@ -226,6 +231,22 @@ ABLATIONS = {
 }
 
 
+# Settings that change what a step holds rather than switching a pass off; not run by default
+# (``python -m benchmarks.memory`` runs them).
+VARIANTS = {
+    "meta_init": Ablation(
+        "model built on the meta device: each rank materializes (reset_parameters) only what it "
+        "holds, one module at a time",
+        meta_init=True,
+    ),
+    "activation_budget": Ablation(
+        "the compiler recomputes forward activations in the backward so that at most half of "
+        "the activation bytes the backward reads are kept",
+        parallel={"activation_memory_budget": 0.5},
+    ),
+}
+
+
 def available_ablations() -> dict[str, Ablation]:
     """The ablations whose DataParallel fields and spmd_compile keywords all exist here."""
     try:
@@ -248,6 +269,7 @@ def _spmd_call(style: str, backend: str, ablation: Ablation) -> str:
     return (
         f"spmd_compile(DataParallel({', '.join(parallel)}), "
         f"{', '.join(f'{k}={v!r}' for k, v in keywords.items())})"
+        + ('; model built under torch.device("meta")' if ablation.meta_init else "")
     )
 
 
@@ -259,7 +281,11 @@ def _spmd_prepare(
             from spmd_compiler import DataParallel, spmd_compile
         except ImportError as e:
             raise NotAvailable(f"spmd_compiler not importable: {e}") from e
-        model = spec.build()
+        if ablation.meta_init:
+            with torch.device("meta"):
+                model = spec.build()
+        else:
+            model = spec.build()
         optim = spec.optim.build(model.parameters())
         kwargs = {} if backend == "eager" else {"backend": backend}
         mode = DataParallel(style, **ablation.parallel)
@@ -271,6 +297,7 @@ def _spmd_prepare(
             lambda: _compile_seconds(step),
             lambda: getattr(step, "compile_count", None),
             lambda: _graph_collectives(step),
+            lambda: _estimated_peak(step),
         )
 
     return prepare
@@ -300,6 +327,16 @@ def _graph_collectives(step) -> dict[str, dict[str, int]] | None:
     return out
 
 
+def _estimated_peak(step) -> int | None:
+    """The liveness estimate of the latest compiled graph's peak (bytes), when reported."""
+    try:
+        from spmd_compiler.api import entry_summary
+
+        return entry_summary(step.last_compiled).peak_bytes
+    except (ImportError, AttributeError):
+        return None
+
+
 def spmd_backends() -> tuple[str, ...]:
     """Backends spmd_compiler offers (``BACKENDS`` in spmd_compiler.api), else just eager."""
     try:
@@ -309,31 +346,51 @@ def spmd_backends() -> tuple[str, ...]:
     return tuple(getattr(api, "BACKENDS", ("eager",)))
 
 
-def _spmd_mode(style: str, backend: str, ablation: str | None = None) -> Mode:
-    """The spmd mode of a style and backend, with one of ``ABLATIONS`` applied when given."""
+def _spmd_mode(style: str, backend: str, ablation: str | None = None,
+               variant: str | None = None) -> Mode:
+    """The spmd mode of a style and backend, with one of ``ABLATIONS`` or ``VARIANTS``
+    applied when given."""
     base = f"spmd_{style}" + ("" if backend == "eager" else f"_{backend}")
-    overrides = ABLATIONS[ablation] if ablation else ALL_PASSES_ON
+    overrides = (ABLATIONS[ablation] if ablation else VARIANTS[variant] if variant
+                 else ALL_PASSES_ON)
+    suffix = ablation or variant
     return Mode(
-        f"{base}-{ablation}" if ablation else base,
+        f"{base}-{suffix}" if suffix else base,
         _spmd_prepare(style, backend, overrides),
         {"replicate": _replicate_comm, "fully_shard": _fully_shard_comm}[style],
         _spmd_call(style, backend, overrides),
         sharded=style == "fully_shard",
         style=style,
         ablation=ablation,
-        ablation_of=base if ablation else None,
+        ablation_of=base if suffix else None,
+        variant=variant,
     )
 
 
 def spmd_modes() -> list[Mode]:
-    """One mode per parallel style and backend, each followed by its available ablation modes."""
+    """One mode per parallel style and backend, each followed by its available ablation modes
+    and its variants (eager backend only)."""
     ablations = [None, *available_ablations()]
     return [
         _spmd_mode(style, backend, ablation)
         for style in STYLES
         for backend in spmd_backends()
         for ablation in ablations
+    ] + [
+        _spmd_mode(style, "eager", variant=variant)
+        for style in STYLES
+        for variant in available_variants()
     ]
+
+
+def available_variants() -> list[str]:
+    """The variants whose DataParallel fields exist in the installed spmd_compiler."""
+    try:
+        from spmd_compiler import DataParallel
+    except ImportError:
+        return []
+    fields = {f.name for f in dataclasses.fields(DataParallel)}
+    return [name for name, v in VARIANTS.items() if v.parallel.keys() <= fields]
 
 
 def ablation_run(base_modes: list[str], modes: dict[str, Mode]) -> list[str]:
@@ -341,7 +398,7 @@ def ablation_run(base_modes: list[str], modes: dict[str, Mode]) -> list[str]:
     return [
         m.name
         for m in modes.values()
-        if m.ablation_of in base_modes and m.style in ABLATIONS[m.ablation].styles
+        if m.ablation and m.ablation_of in base_modes and m.style in ABLATIONS[m.ablation].styles
     ]
 
 

@@ -379,7 +379,7 @@ def ablation_table(results: dict, base_mode: str) -> str:
         (r["mode"], r["ablation"])
         for m in results["models"]
         for r in m["results"]
-        if r.get("ablation_of") == base_mode
+        if r.get("ablation") and r.get("ablation_of") == base_mode
     )
     modes = [base_mode, *(mode for mode, _ in ablations)]
     body = []

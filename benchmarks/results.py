@@ -76,6 +76,7 @@ def summarize(mode: Mode, ranks: list[dict], comm: dict[str, int], world_size: i
         persistent_breakdown_per_rank=[r["persistent_bytes"] for r in ranks],
         rss_peak_mb_per_rank=[r["rss_peak_bytes"] / MB for r in ranks],
         rss_base_mb_per_rank=[r["rss_base_bytes"] / MB for r in ranks],
+        memory_per_rank=[r.get("memory") for r in ranks],
         comm_bytes_per_step=comm,
         comm_total_bytes=sum(comm.values()),
         wire_bytes_per_rank=wire_bytes_per_rank(comm, world_size),

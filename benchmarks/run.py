@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .models import MODELS, param_count
-from .modes import ABLATIONS, ablation_run, all_modes
+from .modes import ABLATIONS, VARIANTS, ablation_run, all_modes
 from .report import progress_line, ratio_table, table, write_docs
 from .results import add_comparisons, shared_core_bound, summarize
 from .worker import Job, launch
@@ -41,7 +41,7 @@ def _csv(choices: dict):
 
 def parse_args(argv=None) -> argparse.Namespace:
     modes = all_modes()
-    default_modes = [name for name, m in modes.items() if m.ablation is None]
+    default_modes = [name for name, m in modes.items() if m.ablation is None and m.variant is None]
     ablations = {m.ablation for m in modes.values()}
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.run",
@@ -53,13 +53,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         + "".join(f"  {k:<18} {modes[k].description}\n" for k in default_modes)
         + "ablations (not run by default; select SPMD_MODE-ABLATION, e.g. "
         "spmd_replicate-no_bucketing):\n"
-        + "".join(f"  {k:<18} {v.description}\n" for k, v in ABLATIONS.items() if k in ablations),
+        + "".join(f"  {k:<18} {v.description}\n" for k, v in ABLATIONS.items() if k in ablations)
+        + "variants (not run by default; select SPMD_MODE-VARIANT, e.g. "
+        "spmd_fully_shard-meta_init):\n"
+        + "".join(f"  {k:<18} {v.description}\n" for k, v in VARIANTS.items()),
     )
     parser.add_argument(
         "--models",
         type=_csv(MODELS),
-        default=list(MODELS),
-        help="comma-separated models to run (default: all)",
+        default=[name for name, spec in MODELS.items() if spec.speed],
+        help="comma-separated models to run (default: all but the memory workloads, which "
+        "python -m benchmarks.memory runs)",
     )
     parser.add_argument(
         "--modes",

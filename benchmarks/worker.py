@@ -92,6 +92,8 @@ def _measure(job: Job, rank: int) -> dict:
         wall.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     account_compiles()
+    rss_peak = _max_rss_bytes()  # before the memory measurement below (the profiler's own buffers)
+    memory = _memory(runner, _batch(job, rank, 1 + job.warmup + job.steps))
 
     # Step time = slowest rank per step, reduced after the loop so timing has no extra syncs.
     per_step = torch.tensor([wall, cpu], dtype=torch.float64)
@@ -112,6 +114,27 @@ def _measure(job: Job, rank: int) -> dict:
         "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else None,
         "params": params,
         "profile": profiled,
+        "rss_peak_bytes": rss_peak,
+        "memory": memory,
+    }
+
+
+def _memory(runner, batch) -> dict | None:
+    """Live tensor bytes between steps and at the peak of a step (measured from the CPU
+    allocator's events, spmd_compiler.memory), next to the compiler's liveness estimate. Runs
+    two more steps (the first unmeasured) after the timed ones."""
+    if runner.module is None:
+        return None
+    try:
+        from spmd_compiler.memory import measure_step_memory
+    except ImportError:
+        return None
+    report = measure_step_memory(lambda: runner.step(batch), runner.module, [runner.optim])
+    return {
+        "live_between_steps": report.live_between_steps,
+        "peak_in_step": report.peak_in_step,
+        "growth_at_end": report.growth_at_end,
+        "estimated_peak": runner.estimated_peak(),
     }
 
 
@@ -169,7 +192,7 @@ def rank_main(rank: int, job: Job, port: int, out_dir: str) -> None:
         result["reason"] = f"{type(exc).__name__}: {first_line}"
         if result["status"] == "error":
             result["traceback"] = traceback.format_exc()
-    result["rss_peak_bytes"] = _max_rss_bytes()
+    result.setdefault("rss_peak_bytes", _max_rss_bytes())
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
     sys.stdout.flush()
