@@ -52,3 +52,9 @@ def insert_collective(graph: fx.Graph, target, args, *, val, region, kind, param
         graph, c10d.wait_tensor.default, (issue,), val=val, region=region,
         **{meta.ROLE: meta.Role.COLLECTIVE},
     )
+
+
+def joined(tensor: torch.Tensor, *waited: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself: a graph node that reads ``waited`` (the waits of collectives writing
+    into ``tensor``) so that its users run after all of them."""
+    return tensor

@@ -29,7 +29,7 @@ def reduce_in_place(gm: fx.GraphModule) -> fx.GraphModule:
     """
     for node in gm.graph.nodes:
         inplace = _INPLACE.get(node.target)
-        if inplace is None or not _owned_temporary(node.args[0], node):
+        if inplace is None or not owned_temporary(node.args[0], node):
             continue
         if node.target is aten.div.Tensor and not (
             isinstance(node.args[1], (int, float)) and _same_tensor_type(node, node.args[0])
@@ -80,7 +80,7 @@ def _same_tensor_type(a: fx.Node, b: fx.Node) -> bool:
             and va.dtype.is_floating_point and list(map(str, va.shape)) == list(map(str, vb.shape)))
 
 
-def _owned_temporary(value, reader: fx.Node) -> bool:
+def owned_temporary(value, reader: fx.Node) -> bool:
     """Is ``value`` a fresh tensor made in the graph whose only reader is ``reader``, following
     in-place and view ops back to the op that allocated it (each read by the next alone)?"""
     while True:

@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from . import meta
 from .collectives import c10d
+from .dependencies import accesses
 
 _GRADIENT_COLLECTIVES = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default)
 
@@ -44,7 +45,7 @@ def split_optimizer_by_bucket(gm: fx.GraphModule) -> fx.GraphModule:
         if length:
             groups: dict[int, list[int]] = {}
             for j in range(length):
-                groups.setdefault(ranks.of(*_access(node, j, length)), []).append(j)
+                groups.setdefault(ranks.of(*accesses(node, j, length)), []).append(j)
             if len(groups) > 1:
                 parts = _split(graph, node, [groups[r] for r in sorted(groups)], length)
                 first = parts[0] if node is first else first
@@ -80,7 +81,7 @@ class _Ranks:
                    + [self.read_rank.get(s, 0) for s in writes])
 
     def visit(self, node: fx.Node) -> None:
-        inputs, reads, writes = _access(node)
+        inputs, reads, writes = accesses(node)
         r = max(self.of(inputs, reads, writes), self.arrival.get(node, 0))
         self.rank[node] = r
         for s in reads:
@@ -134,41 +135,3 @@ def _split(graph: fx.Graph, node: fx.Node, groups: list[list[int]], length: int)
         user.args = where[user.args[1]]
     graph.erase_node(node)
     return parts
-
-
-def _access(node: fx.Node, j: int | None = None, length: int = 0):
-    """(input nodes, storages read, storages written in place) of ``node``, or of element ``j``
-    of a list op whose index-aligned lists have ``length`` elements."""
-    if node.op != "call_function":
-        return list(node.all_input_nodes), set(), set()
-    schema = getattr(node.target, "_schema", None)
-    positional = list(schema.arguments) if schema is not None else []
-    named = {a.name: a for a in positional}
-    values = [(v, positional[i] if i < len(positional) else None) for i, v in enumerate(node.args)]
-    values += [(v, named.get(k)) for k, v in node.kwargs.items()]
-    inputs, reads, writes = [], set(), set()
-    for value, arg in values:
-        if isinstance(value, (list, tuple)):
-            items = [value[j]] if j is not None and len(value) == length else list(value)
-        else:
-            items = [value]
-        items = [v for v in items if isinstance(v, fx.Node)]
-        inputs += items
-        bases = {_base(v) for v in items}
-        reads |= bases
-        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
-            writes |= bases
-    return inputs, reads, writes
-
-
-def _base(value: fx.Node) -> fx.Node:
-    """The node that owns ``value``'s storage (following view and in-place ops)."""
-    while value.op == "call_function":
-        if value.target is operator.getitem and isinstance(value.args[0], fx.Node):
-            value = value.args[0]  # an element of a multi-output op: its storage is the op's
-            continue
-        schema = getattr(value.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
-            break
-        value = value.args[0]
-    return value

@@ -21,9 +21,11 @@ from spmd_compiler.passes import batch_dim
 from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.cleanup import eliminate_dead_code
 from spmd_compiler.passes.overlap import sink_waits
-from spmd_compiler.passes.inplace import gather_into_preallocated, reduce_in_place
-from spmd_compiler.passes.prefetch import prefetch_all_gathers
+from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
+from spmd_compiler.passes.inplace import gather_into_preallocated, owned_temporary, reduce_in_place
+from spmd_compiler.passes.memory_plan import plan_static_memory
 from spmd_compiler.passes.rank_check import place_rank_check
+from spmd_compiler.passes.schedule import schedule_for_memory
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 from spmd_compiler.passes.fully_shard import ShardingError, expand_fully_shard
 from spmd_compiler.passes.grad_outputs import output_gradients
@@ -303,7 +305,11 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None]
         return torch.compile(fused_kernels_outside_compile(gm), backend="inductor", dynamic=True)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    runnable = gather_into_preallocated(reduce_in_place(torch.fx.GraphModule(gm, graph)))
+    runnable = torch.fx.GraphModule(gm, graph)
+    for lowering in (reduce_in_place, gather_into_preallocated, broadcast_gathers,
+                     functools.partial(all_reduce_scatters, owned=owned_temporary),
+                     plan_static_memory):
+        runnable = lowering(runnable)
     return place_rank_check(runnable, rank_check) if rank_check else runnable
 
 
@@ -338,12 +344,13 @@ def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
         passes.append(("bucketing", functools.partial(
             bucket_collectives, bucket_cap_mb=mode.bucket_cap_mb,
             first_bucket_cap_mb=mode.first_bucket_cap_mb, own_collective_mb=mode.own_collective_mb)))
-    if mode.prefetch_cap_mb and mode.parallel_style == "fully_shard":
-        passes.append(("prefetch", functools.partial(
-            prefetch_all_gathers, prefetch_cap_mb=mode.prefetch_cap_mb)))
     if mode.split_optimizer:
         passes.append(("split_optimizer", split_optimizer_by_bucket))
-    if mode.overlap:
+    if mode.parallel_style == "fully_shard":  # orders everything, overlap included
+        passes.append(("schedule", functools.partial(
+            schedule_for_memory, prefetch_cap_mb=mode.prefetch_cap_mb,
+            reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap)))
+    elif mode.overlap:
         passes.append(("overlap", sink_waits))
     return passes
 

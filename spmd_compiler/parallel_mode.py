@@ -36,8 +36,12 @@ class DataParallel:
             saves. ``None`` buckets every tensor.
         prefetch_cap_mb: fully_shard only. Issue parameter all-gathers ahead of their use so
             they transfer while earlier layers compute, holding at most this many MiB of
-            gathered parameters ahead of use (the default holds two full default buckets;
-            FSDP2 prefetches one module ahead). ``None`` or ``0`` gathers each bucket just before its use.
+            gathered parameters ahead of use (FSDP2 prefetches one module ahead). ``None`` or
+            ``0`` gathers each parameter (bucket) just before its use.
+        reduce_cap_mb: fully_shard only. At most this many MiB of full-size gradients whose
+            reduce-scatter is issued but not yet waited on; the oldest is waited on (and its
+            parameters updated) before a new one would pass the cap. ``None`` or ``0`` waits on
+            each right after issuing it.
         fuse_optimizer: record SGD, Adam and AdamW with their fused implementation (one kernel
             over the parameters, not several passes per parameter) whatever ``foreach``/``fused``
             the optimizer names. The update is the same up to float round-off.
@@ -60,7 +64,8 @@ class DataParallel:
     bucket_cap_mb: float | None = 25.0
     first_bucket_cap_mb: float = 1.0
     own_collective_mb: float | None = 1.0
-    prefetch_cap_mb: float | None = 64.0
+    prefetch_cap_mb: float | None = 32.0
+    reduce_cap_mb: float | None = 32.0
     fuse_optimizer: bool = True
     split_optimizer: bool = True
     overlap: bool = True

@@ -1,0 +1,233 @@
+"""Memory-aware schedule for fully_shard: one order for the whole step that bounds what is alive.
+
+The compiler sees the whole step, so it decides when every parameter is gathered, when every
+gradient is reduced and when every optimizer update runs. The rule (docs/fully_shard.md):
+
+1. Compute (forward, backward) keeps its traced order.
+2. Parameter all-gathers are issued in order of use, each as soon as the gathered parameters
+   fetched ahead of their use stay within ``prefetch_cap_mb``; the backward's gathers wait until
+   the forward has used all of its own. A gather is waited on just before its first use, so a
+   gathered parameter lives from there to its last use.
+3. A gradient's reduce-scatter (with the pad / division / bucket copy that build its input) is
+   issued as soon as the gradient is complete, so the full-size gradient dies then. It is
+   waited on when the full-size gradients still being reduced would pass ``reduce_cap_mb``
+   with the next one (oldest first), or at its first reader.
+4. Every optimizer update that reads reduced gradients runs as soon as everything it reads is
+   complete, so a gradient shard dies right after its update. Optimizer state the step
+   creates (the first step's ``zeros_like`` of the shards) is made first: it outlives the
+   step, so it is allocated before any temporary rather than between them.
+5. No node moves across a read or write of the same storage, and a collective reads its input
+   until its wait (passes/dependencies.py).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from . import meta
+from .collectives import c10d, tensor_bytes
+from .dependencies import step_dependencies
+from .memory_plan import alias_source
+
+MB = 2**20
+_GRADIENT_COLLECTIVES = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
+
+
+def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 32.0,
+                        reduce_cap_mb: float | None = 32.0, overlap: bool = True) -> fx.GraphModule:
+    """Order the whole step by the rule above.
+
+    ``prefetch_cap_mb``: bytes of gathered parameters fetched ahead of their use (0 or None:
+    each gather is issued just before its wait). ``reduce_cap_mb``: bytes of full-size gradients
+    whose reduce-scatter (or 0-d all_reduce) is issued but not yet waited on (0 or None: each is
+    waited on right away). ``overlap=False`` waits on every collective right after issuing it.
+
+    Reads: collective issue / wait nodes (COLLECTIVE meta, REGION), node.meta["val"], op schemas.
+    Writes: node order only.
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    deps = step_dependencies(graph)
+    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
+    for n, before in deps.items():
+        for d in before:
+            users[d].append(n)
+
+    def wait_of(issue: fx.Node) -> fx.Node | None:
+        waits = [u for u in issue.users if u.target is c10d.wait_tensor.default]
+        return waits[0] if len(waits) == 1 and len(issue.users) == 1 else None
+
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default
+               and n.meta.get(meta.REGION) != meta.Region.OPTIMIZER and wait_of(n)]
+    reductions = [n for n in nodes if n.target in _GRADIENT_COLLECTIVES and wait_of(n)
+                  and n.meta.get(meta.REGION) == meta.Region.BACKWARD
+                  and (n.meta.get(meta.COLLECTIVE) or {}).get("params")]
+    waits = {wait_of(n): n for n in gathers + reductions}
+    optimizer = [n for n in nodes if n.op == "call_function"
+                 and n.meta.get(meta.REGION) == meta.Region.OPTIMIZER]
+    groups = {issue: _with_feeders(issue, deps, users) for issue in gathers + reductions}
+    deferred = set(waits) | set(optimizer) | {n for g in groups.values() for n in g}
+    after_gradient = _after(nodes, deps, {wait_of(n) for n in reductions})
+    updates = [n for n in optimizer if n in after_gradient and n.meta.get(meta.ROLE) is None]
+    update_groups = {n: _optimizer_closure(n, deps) for n in updates}
+
+    def external(group: set[fx.Node]) -> set[fx.Node]:
+        return {d for n in group for d in deps[n]} - group
+
+    needs = {n: external(g) for n, g in {**groups, **update_groups}.items()}
+    sizes = {g: tensor_bytes(wait_of(g).meta.get("val")) or 0 for g in gathers}  # gathered
+    sizes.update({r: tensor_bytes(r.args[0].meta.get("val")) or 0 for r in reductions})  # full
+    prefetch_cap = int((prefetch_cap_mb or 0) * MB)
+    reduce_cap = int((reduce_cap_mb or 0) * MB)
+    forward_gathers = {wait_of(g) for g in gathers if g.meta.get(meta.REGION) == meta.Region.FORWARD}
+
+    out: list[fx.Node] = []
+    done: set[fx.Node] = set()
+    state = {"ahead": 0, "unreduced": 0}
+    in_flight: list[fx.Node] = []  # gradient collectives issued, not waited on
+
+    def emit(node: fx.Node) -> None:
+        """Emit ``node`` after whatever it depends on that is not emitted yet (graph order)."""
+        pending, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n not in done and n not in pending:
+                pending.add(n)
+                todo.extend(deps[n])
+        for n in sorted(pending, key=pos.__getitem__):
+            if n in done:  # a view emitted with its wait just before
+                continue
+            done.add(n)
+            out.append(n)
+            if n in gathers:
+                state["ahead"] += sizes[n]
+            elif n in reductions:
+                state["unreduced"] += sizes[n]
+                in_flight.append(n)
+            elif n in waits:
+                issue = waits[n]
+                if issue in gathers:
+                    state["ahead"] -= sizes[issue]
+                else:
+                    state["unreduced"] -= sizes[issue]
+                    in_flight.remove(issue)
+                for view in _views(n):  # a bucket's per-parameter slices cost nothing
+                    if view not in done and deps[view] <= done:
+                        done.add(view)
+                        out.append(view)
+            if not overlap and n in groups:
+                emit(wait_of(n))
+
+    def push() -> bool:
+        """Issue what the rule lets go now; True if anything was emitted."""
+        for issue in reductions:
+            if issue not in done and needs[issue] <= done:
+                while in_flight and state["unreduced"] + sizes[issue] > reduce_cap:
+                    emit(wait_of(in_flight[0]))
+                emit(issue)
+                return True
+        for update in updates:
+            if update not in done and needs[update] <= done:
+                emit(update)
+                return True
+        issue = next((g for g in gathers if g not in done), None)
+        if (issue is not None and needs[issue] <= done and state["ahead"] + sizes[issue] <= prefetch_cap
+                and (issue.meta.get(meta.REGION) != meta.Region.BACKWARD or forward_gathers <= done)):
+            emit(issue)
+            return True
+        return False
+
+    for node in nodes:
+        if node.op == "placeholder":
+            emit(node)
+    for node in _persistent_results(graph):
+        emit(node)
+    for node in nodes:
+        if node in done or node in deferred or node.op == "output":
+            continue
+        emit(node)
+        while push():
+            pass
+    for node in nodes:  # what nothing pulled (updates whose results nobody reads), then the output
+        emit(node)
+    assert len(out) == len(nodes) == len(set(out)), "the schedule must place every node once"
+    anchor = None
+    for node in out:
+        if anchor is not None and anchor.next is not node:
+            anchor.append(node)
+        anchor = node
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _persistent_results(graph: fx.Graph) -> list[fx.Node]:
+    """Tensors the step makes from its inputs alone and returns (the optimizer state a first
+    step creates): made first, so these long-lived blocks are allocated before any of the
+    step's temporaries and do not end up scattered between them."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out = []
+    for value in output.all_input_nodes:
+        while (source := alias_source(value)) is not None:
+            value = source
+        if value.op == "call_function" and all(a.op == "placeholder" for a in value.all_input_nodes):
+            out.append(value)
+    return out
+
+
+def _with_feeders(issue: fx.Node, deps, users) -> set[fx.Node]:
+    """The collective ``issue`` and the nodes computed only for it (a bucket's ``cat``, the
+    division and padding of a gradient): they move with it."""
+    group, todo = {issue}, list(deps[issue])
+    while todo:
+        n = todo.pop()
+        if n in group or n.op != "call_function" or n.meta.get(meta.ROLE) == meta.Role.GRAD:
+            continue
+        if all(u in group for u in users[n]):
+            group.add(n)
+            todo.extend(deps[n])
+    return group
+
+
+def _optimizer_closure(update: fx.Node, deps) -> set[fx.Node]:
+    """``update`` and the optimizer-region nodes (not collectives) it depends on: they run with it."""
+    group, todo = set(), [update]
+    while todo:
+        n = todo.pop()
+        if n in group or n.meta.get(meta.REGION) != meta.Region.OPTIMIZER or n.op != "call_function":
+            continue
+        if n is not update and n.meta.get(meta.ROLE) == meta.Role.COLLECTIVE:
+            continue
+        group.add(n)
+        todo.extend(deps[n])
+    return group
+
+
+def _after(nodes: list[fx.Node], deps, sources: set[fx.Node]) -> set[fx.Node]:
+    """The nodes that depend on one of ``sources`` (graph order is a topological order)."""
+    reached = set(sources)
+    for n in nodes:
+        if n not in reached and any(d in reached for d in deps[n]):
+            reached.add(n)
+    return reached
+
+
+def _views(wait: fx.Node) -> list[fx.Node]:
+    """The nodes that only view ``wait``'s result, transitively, in graph order of discovery."""
+    out, todo, seen = [], [wait], {wait}
+    while todo:
+        for user in todo.pop(0).users:
+            if user not in seen and _is_view(user) and all(a in seen for a in user.all_input_nodes):
+                seen.add(user)
+                out.append(user)
+                todo.append(user)
+    return out
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
