@@ -134,6 +134,7 @@ def _memory(runner, batch) -> dict | None:
         "live_between_steps": report.live_between_steps,
         "peak_in_step": report.peak_in_step,
         "growth_at_end": report.growth_at_end,
+        "workspace": report.workspace,
         "estimated_peak": runner.estimated_peak(),
     }
 

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from spmd_compiler.passes.memory_plan import workspace_bytes
+
 from .runtime import local_buffer
 
 _MEASURED = "spmd_compiler.measured_step"
@@ -32,7 +34,8 @@ class StepMemory:
 
     ``live_between_steps``: distinct storages of the model's parameters, gradients and buffers
     and of the optimizers' state when the step starts (a sharded parameter counts its local
-    padded buffer). ``peak_in_step``: that plus the largest growth of the allocator's live
+    padded buffer), plus the ``workspace`` that compiled steps keep for their fixed-size
+    temporaries (passes/memory_plan.py). ``peak_in_step``: that plus the largest growth of the allocator's live
     bytes during the step. ``growth_at_end``: live bytes after the step minus before it (0 in
     a steady state; the first step's created optimizer state shows here). ``rss_peak``: the
     process's peak resident set size so far (``ru_maxrss``), including Python and torch
@@ -43,6 +46,7 @@ class StepMemory:
     peak_in_step: int
     growth_at_end: int
     rss_peak: int
+    workspace: int = 0
 
     @property
     def peak_growth(self) -> int:
@@ -89,7 +93,8 @@ def measure_step_memory(step: Callable[[], Any], module: torch.nn.Module,
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(warmup):
             step()
-        before = live_state_bytes(module, optimizers)
+        workspace = workspace_bytes()
+        before = live_state_bytes(module, optimizers) + workspace
         with record_function(_MEASURED):
             step()
     start, end, events = _measured_window(prof)
@@ -100,7 +105,8 @@ def measure_step_memory(step: Callable[[], Any], module: torch.nn.Module,
     inside = [total for t, _, total in events if start <= t <= end]
     after = next((total for t, _, total in reversed(events) if t <= end), baseline)
     peak = max(inside, default=baseline)
-    return StepMemory(before, before + max(0, peak - baseline), after - baseline, rss_peak_bytes())
+    return StepMemory(before, before + max(0, peak - baseline), after - baseline, rss_peak_bytes(),
+                      workspace)
 
 
 def _measured_window(prof) -> tuple[int, int, list[tuple[int, int, int]]]:
