@@ -89,7 +89,7 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
 def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
     """Turn each ``reduce_scatter_tensor(x, op, world, group)`` of a CPU tensor ``x`` that
     nothing else reads (``owned(x, node)``) into an in-place ``all_reduce_`` of ``x`` and, at
-    its wait, a copy of this rank's rows of it.
+    its wait, a copy of this rank's rows of it into a new (``empty``) tensor.
 
     Reads: reduce_scatter_tensor nodes and their waits. Writes: those nodes; recompiles.
     """
@@ -112,7 +112,11 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
             with graph.inserting_before(wait):
                 done = _call(graph, c10d.wait_tensor.default, (reduced,), reduced)
                 mine = _call(graph, aten.slice.Tensor, (done, 0, rank * rows, (rank + 1) * rows), wait)
-                shard = _call(graph, aten.clone.default, (mine,), wait)
+                val = wait.meta["val"]
+                empty = graph.call_function(aten.empty.memory_format, (list(val.shape),),
+                                            {"dtype": val.dtype, "device": val.device})
+                empty.meta.update(val=val, **{meta.REGION: wait.meta.get(meta.REGION)})
+                shard = _call(graph, aten.copy_.default, (empty, mine), wait)
             wait.replace_all_uses_with(shard)
             graph.erase_node(wait)
         graph.erase_node(node)

@@ -5,8 +5,8 @@ gradient is reduced and when every optimizer update runs. The rule (docs/fully_s
 
 1. Compute (forward, backward) keeps its traced order.
 2. Parameter all-gathers are issued in order of use, each as soon as the gathered parameters
-   fetched ahead of their use stay within ``prefetch_cap_mb``; the backward's gathers wait until
-   the forward has used all of its own. A gather is waited on just before its first use, so a
+   fetched ahead of their use stay within ``prefetch_cap_mb`` (one is always allowed ahead);
+   the backward's gathers wait until the forward has used all of its own. A gather is waited on just before its first use, so a
    gathered parameter lives from there to its last use.
 3. A gradient's reduce-scatter (with the pad / division / bucket copy that build its input) is
    issued as soon as the gradient is complete, so the full-size gradient dies then. It is
@@ -33,14 +33,15 @@ MB = 2**20
 _GRADIENT_COLLECTIVES = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
 
 
-def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 32.0,
-                        reduce_cap_mb: float | None = 32.0, overlap: bool = True) -> fx.GraphModule:
+def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 16.0,
+                        reduce_cap_mb: float | None = 16.0, overlap: bool = True) -> fx.GraphModule:
     """Order the whole step by the rule above.
 
-    ``prefetch_cap_mb``: bytes of gathered parameters fetched ahead of their use (0 or None:
-    each gather is issued just before its wait). ``reduce_cap_mb``: bytes of full-size gradients
-    whose reduce-scatter (or 0-d all_reduce) is issued but not yet waited on (0 or None: each is
-    waited on right away). ``overlap=False`` waits on every collective right after issuing it.
+    ``prefetch_cap_mb``: bytes of gathered parameters fetched ahead of their use, beyond the
+    next one (0 or None: each gather is issued just before its wait). ``reduce_cap_mb``: bytes
+    of full-size gradients whose reduce-scatter (or 0-d all_reduce) is issued but not yet
+    waited on, beyond the newest (0 or None: each is waited on right after it is issued).
+    ``overlap=False`` waits on every collective right after issuing it.
 
     Reads: collective issue / wait nodes (COLLECTIVE meta, REGION), node.meta["val"], op schemas.
     Writes: node order only.
@@ -116,7 +117,7 @@ def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 3
                     if view not in done and deps[view] <= done:
                         done.add(view)
                         out.append(view)
-            if not overlap and n in groups:
+            if n in groups and (not overlap or (n in reductions and not reduce_cap)):
                 emit(wait_of(n))
 
     def push() -> bool:
@@ -132,7 +133,8 @@ def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 3
                 emit(update)
                 return True
         issue = next((g for g in gathers if g not in done), None)
-        if (issue is not None and needs[issue] <= done and state["ahead"] + sizes[issue] <= prefetch_cap
+        if (issue is not None and needs[issue] <= done and prefetch_cap
+                and (state["ahead"] == 0 or state["ahead"] + sizes[issue] <= prefetch_cap)
                 and (issue.meta.get(meta.REGION) != meta.Region.BACKWARD or forward_gathers <= done)):
             emit(issue)
             return True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .errors import SPMDError
 
@@ -36,8 +36,8 @@ class DataParallel:
             saves. ``None`` buckets every tensor.
         prefetch_cap_mb: fully_shard only. Issue parameter all-gathers ahead of their use so
             they transfer while earlier layers compute, holding at most this many MiB of
-            gathered parameters ahead of use (FSDP2 prefetches one module ahead). ``None`` or
-            ``0`` gathers each parameter (bucket) just before its use.
+            gathered parameters ahead of use, and always the next one (FSDP2 prefetches one
+            module ahead). ``None`` or ``0`` gathers each parameter (bucket) just before its use.
         reduce_cap_mb: fully_shard only. At most this many MiB of full-size gradients whose
             reduce-scatter is issued but not yet waited on; the oldest is waited on (and its
             parameters updated) before a new one would pass the cap. ``None`` or ``0`` waits on
@@ -55,6 +55,12 @@ class DataParallel:
             DTensor placed like the parameter (``Shard(0)`` under fully_shard, as FSDP2). Costs
             one gradient-sized tensor per parameter (1/world of it sharded) held between steps;
             ``False`` (default) frees the gradients inside the step.
+        param_init_fn: for a model built under ``torch.device("meta")``: ``fn(module)``
+            initializes, in place, the parameters and buffers that ``module`` itself holds
+            (called once per such module, children before parents, each with only its own
+            tensors materialized at full size); default ``module.reset_parameters()``. Each
+            rank keeps only what it holds (its shards), so the whole model never exists on
+            one rank. See docs/fully_shard.md, "Meta-device initialization".
     """
 
     parallel_style: str = "replicate"
@@ -64,12 +70,13 @@ class DataParallel:
     bucket_cap_mb: float | None = 25.0
     first_bucket_cap_mb: float = 1.0
     own_collective_mb: float | None = 1.0
-    prefetch_cap_mb: float | None = 32.0
-    reduce_cap_mb: float | None = 32.0
+    prefetch_cap_mb: float | None = 16.0
+    reduce_cap_mb: float | None = 16.0
     fuse_optimizer: bool = True
     split_optimizer: bool = True
     overlap: bool = True
     keep_grads: bool = False
+    param_init_fn: Callable[[Any], None] | None = None
 
     def __post_init__(self):
         if self.parallel_style not in _STYLES:
