@@ -114,7 +114,7 @@ class CompiledStep:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
                 agree_on_compile(COMPILE_FAILED, 0, str(e), default_mesh(_device_of(args, kwargs)).get_group(), e)
             raise
-        mesh = default_mesh(module_device(sa.module))
+        mesh = default_mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
         key = step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         hparams = lifted_hparams(sa)
@@ -155,7 +155,8 @@ class CompiledStep:
             retain_host_memory()
         start = time.perf_counter()
         # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
-        place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard")
+        place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard",
+                    self.parallel_mode.param_init_fn, torch.device(mesh.device_type))
         attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
         key = step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,

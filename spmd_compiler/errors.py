@@ -33,3 +33,7 @@ class UnsupportedError(SPMDError):
 class CollectiveError(SPMDError):
     """A collective inside the compiled step failed or timed out: another rank failed, died or
     is far behind. The process group's ``timeout`` bounds the wait."""
+
+
+class InitializationError(SPMDError):
+    """A model built on the meta device could not be materialized on the ranks."""

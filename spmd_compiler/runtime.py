@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmd_compiler.passes import meta
 
-from .errors import CollectiveError
+from .errors import CollectiveError, InitializationError
 from .tracing import StepArgs, TracedStep
 
 _MESHES: dict[str, DeviceMesh] = {}
@@ -37,11 +37,16 @@ def default_mesh(device: torch.device) -> DeviceMesh:
     return _MESHES[kind]
 
 
-def module_device(module: torch.nn.Module) -> torch.device:
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
+def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
+    """The device the module's state lives on. For a model built on the meta device: the
+    device of the first tensor in ``inputs`` (the step's batch), where its state will be
+    materialized, else the CPU."""
+    for t in (*module.parameters(), *module.buffers()):
+        if not t.is_meta:
+            return t.device
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            return t.device
     return torch.device("cpu")
 
 
@@ -139,13 +144,23 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
 
 
 def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], mesh: DeviceMesh,
-                fully_shard: bool) -> None:
+                fully_shard: bool, init_fn: Callable[[torch.nn.Module], None] | None = None,
+                device: torch.device | None = None) -> None:
     """Make the module's parameters DTensors (``Replicate()`` or ``Shard(0)``) on ``mesh`` and key
     each optimizer's state and param_groups by them. Rank 0's values win (as DDP's broadcast at
-    construction). Idempotent: already-placed parameters are left alone.
+    construction). Idempotent: already-placed parameters are left alone. Parameters and buffers
+    on the meta device are materialized on ``device`` first (``materialize_meta``).
     """
     world = mesh.size()
     seen: dict[int, torch.nn.Parameter] = {}
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        if any(opt.state.get(p) for opt in optimizers for p in module.parameters() if p.is_meta):
+            raise InitializationError(
+                "the optimizer holds state for parameters on the meta device; create the "
+                "optimizer's state (or load it) after the first compiled call has materialized "
+                "the model.")
+        seen.update(materialize_meta(module, mesh, fully_shard, init_fn,
+                                     device or torch.device("cpu")))
     plain = []
     for _, sub in module.named_modules(remove_duplicate=False):
         for name, p in list(sub._parameters.items()):
@@ -154,6 +169,7 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
             plain.append(p)
             seen[id(p)] = None
     if not plain:
+        _rekey_optimizers(optimizers, seen, mesh)
         return
     states = [
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
@@ -171,6 +187,11 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
         for name, p in list(sub._parameters.items()):
             if p is not None and seen.get(id(p)) is not None:
                 sub._parameters[name] = seen[id(p)]
+    _rekey_optimizers(optimizers, seen, mesh)
+
+
+def _rekey_optimizers(optimizers, seen: dict, mesh: DeviceMesh) -> None:
+    """Point param_groups and state at the placed parameters (``seen``: old id -> new)."""
     for opt in optimizers:
         for g in opt.param_groups:
             g["params"] = [_placed(seen, p) for p in g["params"]]
@@ -179,6 +200,191 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
             np_ = _placed(seen, p)
             new_state[np_] = {k: place_state_tensor(v, np_, mesh) for k, v in st.items()}
         opt.state = new_state
+
+
+def _post_order(module: torch.nn.Module):
+    """Every module once, children (in registration order) before their parent."""
+    seen: set[int] = set()
+
+    def visit(m):
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            yield from visit(child)
+        yield m
+
+    yield from visit(module)
+
+
+def _unset(t: torch.Tensor) -> torch.Tensor:
+    """Fill a freshly materialized tensor with a value no initialization leaves behind (NaN,
+    or the largest integer), so one the init never wrote is found."""
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def _is_unset(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    if t.dtype == torch.bool or t.numel() == 0:
+        return False
+    return bool((t == torch.iinfo(t.dtype).max).all())
+
+
+def materialize_meta(module: torch.nn.Module, mesh: DeviceMesh, fully_shard: bool,
+                     init_fn: Callable[[torch.nn.Module], None] | None,
+                     device: torch.device) -> dict[int, torch.nn.Parameter]:
+    """Materialize a model built under ``torch.device("meta")`` one module at a time, so the
+    whole model never exists on a rank; return {id(meta parameter): placed parameter}.
+
+    Modules are visited children first (registration order), each once. A module that holds
+    meta parameters or buffers itself gets them as full tensors on ``device`` and is
+    initialized by ``init_fn(module)`` (default ``module.reset_parameters()``); then each of its
+    parameters is placed (fully_shard: only this rank's padded rows are kept) and its full
+    tensor freed. A parameter shared by several modules takes its first module's values; a
+    later owner's init runs on a scratch tensor (it draws from the generator as it would on the
+    full model, its values are dropped). Buffers stay whole.
+
+    The values are exactly those of the same procedure on the whole model on one device, from
+    rank 0's default generator state at the call (broadcast to every rank); every rank's
+    generator is left as it was. Replicated parameters are broadcast from rank 0 afterwards, as
+    at any placement. An init that writes parameters of modules already placed (an ancestor
+    resetting a child's) writes the placed DTensors: exact for deterministic inits, per-rank
+    values for random ones. Raises InitializationError (the model stays on the meta device)
+    when a module has no ``reset_parameters`` and no ``init_fn`` is given, or an init leaves a
+    tensor unwritten.
+    """
+    group = mesh.get_group()
+    world = mesh.size()
+    modules = list(_post_order(module))
+    own: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> its meta params
+    own_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
+    buffer_owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
+    for sub in modules:
+        own[id(sub)] = [(n, p) for n, p in sub._parameters.items() if p is not None and p.is_meta]
+        own_buffers[id(sub)] = [(n, b) for n, b in sub._buffers.items() if b is not None and b.is_meta]
+        for name, p in own[id(sub)]:
+            owners[id(p)].append((sub, name))
+        for name, b in own_buffers[id(sub)]:
+            buffer_owners[id(b)].append((sub, name))
+    placed: dict[int, torch.nn.Parameter] = {}
+    made_buffers: dict[int, torch.Tensor] = {}
+    generators = _Generators(device)
+    # Sharded parameters are made whole in one scratch buffer reused by every module (the
+    # heap would otherwise fragment between the whole tensors and the shards kept).
+    scratch_bytes = max((sum(_aligned(p) for _, p in own[id(sub)]) for sub in modules), default=0)
+    scratch = torch.empty(scratch_bytes if fully_shard else 0, dtype=torch.uint8, device=device)
+    try:
+        with torch.no_grad(), generators.from_rank0(group, mesh.device_type):
+            for sub in modules:
+                if not own[id(sub)] and not own_buffers[id(sub)]:
+                    continue
+                later, first, offset = [], [], 0
+                for name, p in own[id(sub)]:
+                    if fully_shard:
+                        full = scratch[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                        offset += _aligned(p)
+                    else:
+                        full = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    new = torch.nn.Parameter(_unset(full), requires_grad=p.requires_grad)
+                    if id(p) in placed:  # a later owner: its init writes a copy that is dropped
+                        later.append(name)
+                        sub._parameters[name] = new
+                        continue
+                    first.append((p, new))
+                    for owner, slot in owners[id(p)]:
+                        owner._parameters[slot] = new
+                for name, b in own_buffers[id(sub)]:
+                    if id(b) not in made_buffers:
+                        made_buffers[id(b)] = full = _unset(torch.empty(b.shape, dtype=b.dtype, device=device))
+                        for owner, slot in buffer_owners[id(b)]:
+                            owner._buffers[slot] = full
+                _initialize(sub, init_fn, module)
+                for name in later:
+                    meta_p = next(p for n, p in own[id(sub)] if n == name)
+                    sub._parameters[name] = placed[id(meta_p)]
+                for meta_p, new in first:
+                    if _is_unset(new):
+                        raise InitializationError(
+                            f"{_where(module, sub)}: its initialization left parameter "
+                            f"{_name_in(sub, new)!r} (partly) unwritten; initialize every "
+                            f"parameter in reset_parameters() or pass DataParallel(param_init_fn=...).")
+                    dt, buffer = to_dtensor(new.detach(), layout_for(new, fully_shard, world), mesh)
+                    placed_p = torch.nn.Parameter(_attach(dt, buffer), requires_grad=new.requires_grad)
+                    placed_p._spmd_buffer = buffer
+                    placed[id(meta_p)] = placed_p
+                    for owner, slot in owners[id(meta_p)]:
+                        owner._parameters[slot] = placed_p
+                for name, b in own_buffers[id(sub)]:
+                    if _is_unset(made_buffers[id(b)]):
+                        raise InitializationError(
+                            f"{_where(module, sub)}: its initialization left buffer {name!r} "
+                            f"unwritten (buffers made in __init__ from data are lost on the meta "
+                            f"device); set it in reset_parameters() or in DataParallel(param_init_fn=...).")
+    except BaseException:
+        for sub in modules:  # back to the meta model: nothing half-done
+            for name, p in own[id(sub)]:
+                sub._parameters[name] = p
+            for name, b in own_buffers[id(sub)]:
+                sub._buffers[name] = b
+        raise
+    if not fully_shard:
+        _broadcast_from_rank0([p._local_tensor for p in placed.values()])
+    _broadcast_from_rank0(list(made_buffers.values()))
+    return placed
+
+
+def _aligned(t: torch.Tensor, align: int = 64) -> int:
+    return -(-t.numel() * t.element_size() // align) * align
+
+
+class _Generators:
+    """The default generators that an init on ``device`` draws from (the CPU's, and the
+    device's own)."""
+
+    def __init__(self, device: torch.device):
+        self.modules = [torch] + ([torch.get_device_module(device)] if device.type != "cpu" else [])
+
+    @contextlib.contextmanager
+    def from_rank0(self, group, device_type: str):
+        """Every rank draws from rank 0's generator states; each rank's own are restored after."""
+        saved = [m.get_rng_state() for m in self.modules]
+        try:
+            for m, state in zip(self.modules, saved):
+                rank0 = state.to(device_type)  # (a copy) where the group's collectives run
+                if dist.get_world_size(group) > 1:
+                    dist.broadcast(rank0, group=group, group_src=0)
+                m.set_rng_state(rank0.cpu())
+            yield
+        finally:
+            for m, state in zip(self.modules, saved):
+                m.set_rng_state(state)
+
+
+def _initialize(sub: torch.nn.Module, init_fn, root: torch.nn.Module) -> None:
+    if init_fn is not None:
+        init_fn(sub)
+    elif callable(getattr(sub, "reset_parameters", None)):
+        sub.reset_parameters()
+    else:
+        raise InitializationError(
+            f"{_where(root, sub)} holds parameters or buffers on the meta device but has no "
+            f"reset_parameters(); pass DataParallel(param_init_fn=fn), fn(module) initializing "
+            f"the module's own parameters and buffers in place.")
+
+
+def _where(root: torch.nn.Module, sub: torch.nn.Module) -> str:
+    name = next((n for n, m in root.named_modules(remove_duplicate=False) if m is sub), "?")
+    return f"module {name or '<root>'!r} ({type(sub).__name__})"
+
+
+def _name_in(sub: torch.nn.Module, t: torch.Tensor) -> str:
+    return next((n for n, p in sub._parameters.items() if p is t), "?")
 
 
 def _placed(seen: dict, p: torch.Tensor) -> torch.Tensor:

@@ -237,8 +237,9 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
         return True
     devices = _get_fused_kernels_supported_devices()
     params = group["params"]
-    return bool(params) and all(
-        p.device.type in devices and torch.is_floating_point(p) and not p.is_sparse for p in params
+    return bool(params) and all(  # (a meta parameter will live on the step's device)
+        (p.device.type in devices or p.is_meta) and torch.is_floating_point(p) and not p.is_sparse
+        for p in params
     )
 
 
@@ -337,9 +338,13 @@ def trace_step(
 
     shape_env = ShapeEnv(specialize_zero_one=False)
     fake_mode = FakeTensorMode(shape_env=shape_env)
+    # A model built on the meta device is recorded on the device its state will live on.
+    home = next((t.device for t in (*unique_params, *unique_buffers) if not t.is_meta),
+                next((sa.leaves[i].device for i in sa.input_indices), torch.device("cpu")))
 
     def fake_static(t):
         shape, dtype, device = _global_meta(t)
+        device = home if device.type == "meta" else device
         with fake_mode:
             return torch.empty(shape, dtype=dtype, device=device)
 
