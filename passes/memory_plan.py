@@ -96,12 +96,11 @@ def lifetimes(graph: fx.Graph) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, in
 
 
 def _static_bytes(val) -> int | None:
-    if not isinstance(val, torch.Tensor) or not val.is_contiguous():
+    """Bytes of a contiguous tensor of fixed shape (a symbolic size is left to malloc)."""
+    if (not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape)
+            or not val.is_contiguous()):
         return None
-    try:
-        return int(val.numel()) * val.element_size()
-    except (TypeError, ValueError):
-        return None  # a symbolic size: planned at run time by malloc
+    return val.numel() * val.element_size()
 
 
 def _out_variant(node: fx.Node):
