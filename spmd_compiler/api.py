@@ -25,6 +25,7 @@ from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast
 from spmd_compiler.passes.inplace import gather_into_preallocated, owned_temporary, reduce_in_place
 from spmd_compiler.passes.memory_plan import plan_static_memory
 from spmd_compiler.passes.rank_check import place_rank_check
+from spmd_compiler.passes.recompute import recompute_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 from spmd_compiler.passes.fully_shard import ShardingError, expand_fully_shard
@@ -225,8 +226,13 @@ class CompiledStep:
             analyze(traced.gm)
         stage("analyzed", traced.gm, t)
 
-        t = time.perf_counter()
         mode = self.parallel_mode
+        if mode.activation_memory_budget is not None:
+            t = time.perf_counter()
+            traced.gm = recompute_activations(traced.gm, budget=mode.activation_memory_budget)
+            stage("recompute", traced.gm, t)
+
+        t = time.perf_counter()
         if fully_shard:
             try:
                 gm = expand_fully_shard(
@@ -283,8 +289,9 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     else:
         group_name, world = "explain", world_size or 2
     sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim)
-    gm, _, _, seconds, _ = step._build(sa, group_name, world, None)
-    summary = summarize(gm, compile_times=seconds)
+    gm, _, _, seconds, runnable = step._build(sa, group_name, world, None)
+    summary = summarize(gm, compile_times=seconds,
+                        lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:
         write_summary(summary, step.dump_dir)
     return summary
@@ -368,7 +375,8 @@ def entry_summary(entry: CompiledGraph):
     """The visualize.Summary of a compiled graph."""
     from .visualize import summarize
 
-    return summarize(entry.traced.gm, compile_times=entry.stage_seconds)
+    lowered = entry.run if isinstance(entry.run, torch.fx.GraphModule) else None
+    return summarize(entry.traced.gm, compile_times=entry.stage_seconds, lowered=lowered)
 
 
 def summary_text(step: CompiledStep) -> str | None:

@@ -61,6 +61,11 @@ class DataParallel:
             tensors materialized at full size); default ``module.reset_parameters()``. Each
             rank keeps only what it holds (its shards), so the whole model never exists on
             one rank. See docs/fully_shard.md, "Meta-device initialization".
+        activation_memory_budget: keep at most this fraction (0 to 1) of the bytes of the
+            activations the backward reads; the compiler recomputes the others in the backward
+            (cheapest per byte first), as activation checkpointing does. ``None`` (default)
+            keeps what autograd saves (checkpointed modules in the model are recomputed
+            either way).
     """
 
     parallel_style: str = "replicate"
@@ -77,8 +82,14 @@ class DataParallel:
     overlap: bool = True
     keep_grads: bool = False
     param_init_fn: Callable[[Any], None] | None = None
+    activation_memory_budget: float | None = None
 
     def __post_init__(self):
+        budget = self.activation_memory_budget
+        if budget is not None and not (isinstance(budget, (int, float)) and 0 <= budget <= 1):
+            raise SPMDError(
+                f"DataParallel: activation_memory_budget must be a fraction between 0 and 1 "
+                f"(or None), got {budget!r}")
         if self.parallel_style not in _STYLES:
             raise SPMDError(
                 f"DataParallel: unknown parallel_style {self.parallel_style!r}; "
