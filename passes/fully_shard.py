@@ -232,6 +232,7 @@ def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) 
             source, index = node.args
             if source in sharded:
                 sharded[node] = tuple(node.meta["val"].shape)
+                _to_shard_vals(node, {sharded[node]}, world)
             continue
         logical = {sharded[a] for a in shard_inputs}
         outs = _values(node.meta.get("val"))
@@ -243,6 +244,7 @@ def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) 
         ):
             first = outs[0] if outs and getattr(outs[0], "shape", None) is not None else None
             sharded[node] = tuple(first.shape) if first is not None else next(iter(logical))
+            _to_shard_vals(node, logical, world)
             continue
         raise ShardingError(
             f"fully_shard: {node.target} in the optimizer region turns a parameter/optimizer-state "
@@ -251,6 +253,18 @@ def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) 
             f"User code: {node.meta.get('stack_trace', '<unknown>')}"
         )
     gm.recompile()
+
+
+def _to_shard_vals(node: fx.Node, logical: set[tuple], world: int) -> None:
+    """Give a value computed on shards its local (padded shard) shape in node.meta["val"], so
+    sizes read off the graph (the memory estimate) are the local ones."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and tuple(val.shape) in logical and val.dim() > 0:
+        node.meta["val"] = _shard_val(val, world)
+    elif isinstance(val, (list, tuple)):
+        node.meta["val"] = type(val)(
+            _shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
+            and v.dim() > 0 else v for v in val)
 
 
 def _flat_inputs(node: fx.Node) -> list[fx.Node]:

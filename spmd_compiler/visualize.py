@@ -25,8 +25,9 @@ import torch.fx as fx
 from tabulate import tabulate
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from spmd_compiler.passes.memory_plan import lifetimes, workspace
 from spmd_compiler.passes.meta import (
-    BUCKET, COLLECTIVE, INPUT_PATH, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role,
+    BUCKET, COLLECTIVE, INPUT_PATH, KEPT_GRADS, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role,
 )
 
 log = logging.getLogger("spmd_compiler")
@@ -717,6 +718,7 @@ class Summary:
     persistent_bytes: dict[str, int]  # per rank: params, grads, buffers, optimizer state, total
     peak_bytes: int  # liveness estimate, see estimate_peak_memory
     peak_node: str
+    workspace_bytes: int = 0  # the static memory plan's workspace (passes/memory_plan.py)
     compile_times: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # per pass: what it did
 
@@ -745,6 +747,8 @@ class Summary:
                      for p in self.params]))
         out.append(("memory per rank (estimate)", ["what", "bytes", "size"],
                     [[k, v, fmt_bytes(v)] for k, v in self.persistent_bytes.items()]
+                    + ([["workspace (planned temporaries, kept)", self.workspace_bytes,
+                         fmt_bytes(self.workspace_bytes)]] if self.workspace_bytes else [])
                     + [[f"peak (liveness walk, at {self.peak_node})", self.peak_bytes,
                         fmt_bytes(self.peak_bytes)]]))
         if self.compile_times:
@@ -766,49 +770,32 @@ class Summary:
             for title, headers, rows in self.tables()) + "\n"
 
 
-def _alias_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The node whose allocation ``node`` aliases (views, in-place ops, getitem, wait_tensor)."""
-    target = node.target
-    aliasing = _is_wait(node) or target.__class__.__name__ == "builtin_function_or_method" and \
-        getattr(target, "__name__", "") == "getitem"
-    schema = getattr(target, "_schema", None)
-    if schema is not None and any(r.alias_info is not None for r in schema.returns):
-        aliasing = True
-    first = next((a for a in node.all_input_nodes if _tensors(a.meta.get("val"))), None)
-    return roots[first] if aliasing and first is not None else node
-
-
 def estimate_peak_memory(gm: fx.GraphModule, sizer: _Sizer | None = None) -> tuple[int, str]:
     """Peak of live tensor bytes over the graph's node order, and the node where it occurs.
 
-    Approximation: every placeholder is live for the whole step (state and batch are owned by the
-    caller); every other node allocates its outputs when it runs, unless its schema says the
-    output aliases an input (views, in-place ops) or it is a getitem / wait_tensor; an
-    allocation is freed after the last use of it or any alias, outputs stay live to the end.
-    Ignores allocator caching, fragmentation, and temporaries inside a kernel.
+    The liveness model is the static memory planner's (``passes/memory_plan.lifetimes``):
+    every placeholder is live for the whole step (state and batch are owned by the caller);
+    every other node allocates its result when it runs unless it aliases an input (views,
+    in-place and ``out=`` ops, getitem, wait_tensor); an allocation is freed after the last
+    use of it or any alias, one given to a collective after that collective's wait, and one
+    the graph returns stays to the end, as does the planner's workspace (held between steps).
+    Run on the lowered eager graph it counts what actually runs; ignores allocator caching
+    and temporaries inside a kernel.
     """
     sizer = sizer or _Sizer()
     nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    roots: dict[fx.Node, fx.Node] = {}
-    size: dict[fx.Node, int] = {}
-    last_use: dict[fx.Node, int] = {}
-    for n in nodes:
-        roots[n] = n if n.op in ("placeholder", "output") else _alias_root(n, roots)
-        if roots[n] is n:
-            size[n] = sizer.nbytes(n.meta.get("val"))[0]
-        r = roots[n]
-        last_use[r] = max([last_use.get(r, pos[n])] + [pos[u] for u in n.users])
-        if any(u.op == "output" for u in n.users) or n.op == "placeholder":
-            last_use[r] = len(nodes)
+    roots, last = lifetimes(gm.graph)
     frees: dict[int, list[fx.Node]] = defaultdict(list)
-    for r, i in last_use.items():
-        frees[i].append(r)
+    size: dict[fx.Node, int] = {}
+    for n in nodes:
+        if roots[n] is n and n.op != "output":
+            size[n] = sizer.nbytes(n.meta.get("val"))[0]
+            end = len(nodes) if n.op == "placeholder" or n.target is workspace else last[n]
+            frees[end].append(n)
     live = peak = 0
     peak_node = nodes[0].name if nodes else ""
     for i, n in enumerate(nodes):
-        if roots[n] is n:
-            live += size[n]
+        live += size.get(n, 0)
         if live > peak:
             peak, peak_node = live, n.name
         live -= sum(size[r] for r in frees.get(i, ()))
@@ -818,14 +805,16 @@ def estimate_peak_memory(gm: fx.GraphModule, sizer: _Sizer | None = None) -> tup
 def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None = None,
               param_info: Mapping[str, Sequence[int]] | None = None,
               size_hints: Mapping[str, int] | None = None,
-              notes: Mapping[str, str] | None = None) -> Summary:
+              notes: Mapping[str, str] | None = None,
+              lowered: fx.GraphModule | None = None) -> Summary:
     """Summarize a (compiled) step graph.
 
     ``param_info`` maps parameter FQN to its global (unsharded) shape, shown next to the local
-    one; a parameter with a gradient node counts its local size again as persistent gradient
-    memory. ``size_hints`` overrides symbol values by name (e.g. ``{"s0": 64}``); by default each
+    one; a parameter whose gradient the step returns (``keep_grads``) counts its local size
+    again as persistent gradient memory (every other gradient dies in the step). ``size_hints`` overrides symbol values by name (e.g. ``{"s0": 64}``); by default each
     symbol takes its ShapeEnv hint, i.e. the sizes seen at trace time. ``notes`` are per-pass
-    one-liners (what bucketing, overlap, ... did).
+    one-liners (what bucketing, overlap, ... did). ``lowered``: the graph that actually runs
+    (the eager backend's lowering of ``gm``), for the peak estimate.
     """
     sizer = _Sizer(size_hints)
     nodes = list(gm.graph.nodes)
@@ -848,7 +837,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
 
     persistent = Counter()
     params = []
-    with_grad = {n.meta.get(PARAM_FQN) for n in nodes if n.meta.get(ROLE) == Role.GRAD}
+    kept_grads = set(gm.meta.get(KEPT_GRADS, ()))  # the step frees every other gradient
     for n in nodes:
         if n.op != "placeholder":
             continue
@@ -861,14 +850,16 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
                 fqn, placement_str(n.meta.get(PLACEMENT)), tuple(sizer.size(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
             persistent["params"] += nbytes
-            persistent["grads"] += nbytes if fqn in with_grad else 0
+            persistent["grads"] += nbytes if fqn in kept_grads else 0
         elif role == Role.BUFFER:
             persistent["buffers"] += nbytes
         elif role == Role.OPT_STATE:
             persistent["optimizer state"] += nbytes
     persistent_bytes = {k: persistent[k] for k in ("params", "grads", "buffers", "optimizer state")}
     persistent_bytes["total persistent"] = sum(persistent_bytes.values())
-    peak, peak_node = estimate_peak_memory(gm, sizer)
+    peak, peak_node = estimate_peak_memory(lowered if lowered is not None else gm, sizer)
+    workspace_bytes = sum(sizer.nbytes(n.meta.get("val"))[0] for n in
+                          (lowered.graph.nodes if lowered is not None else ()) if n.target is workspace)
     return Summary(
         num_nodes=len(nodes),
         size_hints=dict(sizer.used),
@@ -878,6 +869,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         persistent_bytes=persistent_bytes,
         peak_bytes=peak,
         peak_node=peak_node,
+        workspace_bytes=workspace_bytes,
         compile_times=dict(compile_times or {}),
         notes=dict(notes or {}),
     )
