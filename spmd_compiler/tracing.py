@@ -223,6 +223,36 @@ def _tag_regions():
         torch.autograd.backward = original
 
 
+@contextlib.contextmanager
+def _refuse_reentrant_checkpoint():
+    """Raise on reentrant activation checkpointing: its backward runs a second, nested
+    ``backward()`` on a recomputed graph, which the recording of the step cannot represent.
+    Non-reentrant checkpointing (``use_reentrant=False``, ``CheckpointImpl.NO_REENTRANT``)
+    records the recomputation in the backward and is what the compiled step runs."""
+    from torch.utils import checkpoint
+
+    original = checkpoint.CheckpointFunction.apply
+
+    def refuse(*args, **kwargs):
+        here = os.path.dirname(__file__)
+        roots = (os.path.dirname(torch.__file__), here, os.path.dirname(contextlib.__file__))
+        user = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(roots)]
+        where = (f'File "{user[-1].filename}", line {user[-1].lineno}, in {user[-1].name}: '
+                 f"{user[-1].line}") if user else "<unknown location>"
+        raise UnsupportedError(
+            f"reentrant activation checkpointing at {where} cannot be compiled: its backward "
+            f"runs a nested backward() on a recomputed graph. Use "
+            f"torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
+            f"checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT): the compiled "
+            f"step recomputes the checkpointed forward in the backward the same way.")
+
+    checkpoint.CheckpointFunction.apply = refuse
+    try:
+        yield
+    finally:
+        checkpoint.CheckpointFunction.apply = original
+
+
 def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
     """Can ``group`` of ``opt`` run the fused implementation instead of the one it names?
 
@@ -412,7 +442,8 @@ def trace_step(
         buffer_of = {id(b): fb for b, fb in zip(unique_buffers, buffers)}
         by_name.update({n: buffer_of[id(b)] for n, b in named_buffers})
         state_by_key = dict(zip(state_keys, states))
-        with _reparametrize_module(module, by_name, strict=False), _tag_regions(), _bind_optimizers(
+        with _reparametrize_module(module, by_name, strict=False), _tag_regions(), \
+                _refuse_reentrant_checkpoint(), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
         ):
             out = fn(*call_args, **call_kwargs)
