@@ -356,7 +356,7 @@ class _Generators:
         saved = [m.get_rng_state() for m in self.modules]
         try:
             for m, state in zip(self.modules, saved):
-                rank0 = state.to(device_type)  # (a copy) where the group's collectives run
+                rank0 = state.to(device_type, copy=True)  # where the group's collectives run
                 if dist.get_world_size(group) > 1:
                     dist.broadcast(rank0, group=group, group_src=0)
                 m.set_rng_state(rank0.cpu())
