@@ -180,13 +180,14 @@ class Ablation:
     def overrides(self) -> str:
         """The settings changed, e.g. ``DataParallel(bucket_cap_mb=0)``."""
         calls = (("DataParallel", self.parallel), ("spmd_compile", self.compile))
-        text = " ".join(
+        parts = [
             f"{call}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
             for call, kwargs in calls
             if kwargs
-        )
-        return (text + " " if text else "") + ('with torch.device("meta"): model = ...'
-                                                if self.meta_init else "")
+        ]
+        if self.meta_init:
+            parts.append('model built under torch.device("meta")')
+        return " ".join(parts)
 
 
 ALL_PASSES_ON = Ablation("every pass on")
