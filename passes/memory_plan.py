@@ -45,6 +45,12 @@ def workspace(nbytes: int, device: torch.device) -> torch.Tensor:
     return buffer
 
 
+def free_workspaces() -> None:
+    """Drop the workspaces (the next compiled step makes its own again), e.g. after the large
+    model that grew them is gone."""
+    _WORKSPACES.clear()
+
+
 def workspace_bytes() -> int:
     """Bytes the workspaces of this process hold (kept between steps, like a caching allocator)."""
     return sum(b.numel() for b in _WORKSPACES.values())
