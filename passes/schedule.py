@@ -34,7 +34,8 @@ _GRADIENT_COLLECTIVES = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.def
 
 
 def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 16.0,
-                        reduce_cap_mb: float | None = 16.0, overlap: bool = True) -> fx.GraphModule:
+                        reduce_cap_mb: float | None = 16.0, overlap: bool = True,
+                        updates_in_backward: bool = True) -> fx.GraphModule:
     """Order the whole step by the rule above.
 
     ``prefetch_cap_mb``: bytes of gathered parameters fetched ahead of their use, beyond the
@@ -42,6 +43,8 @@ def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 1
     of full-size gradients whose reduce-scatter (or 0-d all_reduce) is issued but not yet
     waited on, beyond the newest (0 or None: each is waited on right after it is issued).
     ``overlap=False`` waits on every collective right after issuing it.
+    ``updates_in_backward=False`` leaves the optimizer after the backward (rule 4 off: for a
+    backend that cannot compile across an optimizer kernel).
 
     Reads: collective issue / wait nodes (COLLECTIVE meta, REGION), node.meta["val"], op schemas.
     Writes: node order only.
@@ -70,7 +73,8 @@ def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 1
     groups = {issue: _with_feeders(issue, deps, users) for issue in gathers + reductions}
     deferred = set(waits) | set(optimizer) | {n for g in groups.values() for n in g}
     after_gradient = _after(nodes, deps, {wait_of(n) for n in reductions})
-    updates = [n for n in optimizer if n in after_gradient and n.meta.get(meta.ROLE) is None]
+    updates = [n for n in optimizer if n in after_gradient and n.meta.get(meta.ROLE) is None
+               and updates_in_backward]
     update_groups = {n: _optimizer_closure(n, deps) for n in updates}
 
     def external(group: set[fx.Node]) -> set[fx.Node]:

@@ -253,7 +253,7 @@ class CompiledStep:
             analyze(gm)
         stage("expanded", gm, t)
 
-        for name, run in optimization_passes(mode):
+        for name, run in optimization_passes(mode, self.backend):
             t = time.perf_counter()
             gm = run(gm)
             stage(name, gm, t)
@@ -345,8 +345,10 @@ def _eager_kernel(op):
     return run
 
 
-def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
-    """The optimization passes ``mode`` turns on, in order, as (stage name, pass)."""
+def optimization_passes(mode: DataParallel, backend: str = "eager") -> list[tuple[str, Callable]]:
+    """The optimization passes ``mode`` turns on for ``backend``, in order, as (stage name,
+    pass). Under Inductor the fused optimizer kernels run outside the compiled regions, so
+    each one splits the graph: fully_shard's updates then stay after the backward."""
     passes: list[tuple[str, Callable]] = [("dead_code", eliminate_dead_code)]
     if mode.bucket_cap_mb:
         passes.append(("bucketing", functools.partial(
@@ -357,7 +359,8 @@ def optimization_passes(mode: DataParallel) -> list[tuple[str, Callable]]:
     if mode.parallel_style == "fully_shard":  # orders everything, overlap included
         passes.append(("schedule", functools.partial(
             schedule_for_memory, prefetch_cap_mb=mode.prefetch_cap_mb,
-            reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap)))
+            reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
+            updates_in_backward=backend == "eager")))
     elif mode.overlap:
         passes.append(("overlap", sink_waits))
     return passes
