@@ -119,9 +119,15 @@ def _out_variant(node: fx.Node):
             or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)):
         return None
     try:
-        return to_out_variant(node.target)
+        out_op = to_out_variant(node.target)
     except RuntimeError:
         return None
+    # Only a kernel of the device's own writes into ``out``; the generated fallback
+    # (CompositeExplicitAutograd) computes a new tensor and copies it over.
+    device = node.meta["val"].device.type.upper()
+    if out_op is None or not torch._C._dispatch_has_kernel_for_dispatch_key(out_op.name(), device):
+        return None
+    return out_op
 
 
 def plan_static_memory(gm: fx.GraphModule, *, min_bytes: int = 2**20) -> fx.GraphModule:
