@@ -37,6 +37,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
 
+from .trace_values import ReadConstantValues
 from .errors import (
     BatchDimError,
     MissingGradientError,
@@ -220,6 +221,36 @@ def _tag_regions():
         yield
     finally:
         torch.autograd.backward = original
+
+
+@contextlib.contextmanager
+def _compiling_forward(module: torch.nn.Module):
+    """Make ``torch.compiler.is_compiling()`` true while the model's forward is recorded, as
+    torch's own make_fx-based (non-strict) export does: libraries then take their traceable code
+    paths (Hugging Face avoids data-dependent checks and runs its grouped expert matmul as a custom
+    op with a fake kernel). The loss code and the optimizer step run as written."""
+    depth = [0]
+
+    def enter(*_):
+        depth[0] += 1
+        if depth[0] == 1:
+            depth.append(torch.compiler._is_compiling_flag)
+            torch.compiler._is_compiling_flag = True
+
+    def leave(*_):
+        depth[0] -= 1
+        if depth[0] == 0:
+            torch.compiler._is_compiling_flag = depth.pop()
+
+    hooks = [module.register_forward_pre_hook(enter),
+             module.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        if depth[0]:
+            torch.compiler._is_compiling_flag = depth[1]
 
 
 def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
@@ -408,7 +439,7 @@ def trace_step(
         state_by_key = dict(zip(state_keys, states))
         with _reparametrize_module(module, by_name, strict=False), _tag_regions(), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
-        ):
+        ), ReadConstantValues(), _compiling_forward(module):
             out = fn(*call_args, **call_kwargs)
             new_states = []
             for opt in sa.optimizers:
