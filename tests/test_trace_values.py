@@ -1,0 +1,114 @@
+"""Trace-time reads of shape-only tensor values (spmd_compiler/trace_values.py), single process.
+
+A value computed only from sizes and constants is read at trace time (and the sizes it read are
+guarded); a value computed from the batch, a parameter or a buffer still stops the trace with a
+TraceError naming the user's line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from spmd_compiler.errors import TraceError
+from spmd_compiler.tracing import trace_step
+
+aten = torch.ops.aten
+
+
+class Masked(nn.Module):
+    """Reads values of masks built in the forward, the way nn.Transformer and models do."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.read = read
+
+    def forward(self, x):  # (b, t, 6)
+        h = self.lin(x)
+        return h * self.read(x) if self.read is not None else h
+
+
+def step(model, optim, x):
+    optim.zero_grad()
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def trace(read, x=None):
+    model = Masked(read)
+    x = torch.randn(3, 5, 6) if x is None else x
+    return trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1), x), {})
+
+
+def causal(t):
+    return torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+
+
+def _causal_check(x):
+    t = x.shape[1]
+    mask = causal(t)
+    is_causal = bool((mask == nn.Transformer.generate_square_subsequent_mask(t)).all())
+    return 2.0 if is_causal else 3.0
+
+
+def _in_place_through_a_view(x):
+    m = torch.zeros(x.shape[1], x.shape[1])
+    m[:, 0] = 1.0  # written through a view of m
+    return float(m.sum())  # 5.0 only if the write through the view is replayed
+
+
+def _tensor_constant(x):
+    return float(torch.tensor([1.0, 2.0]).sum().item())
+
+
+@pytest.mark.parametrize("read, value", [
+    (_causal_check, 2.0),
+    (lambda x: 1.0 + torch.equal(causal(x.shape[1]), causal(5)), 2.0),
+    (lambda x: 1.0 + bool(causal(x.shape[1]).isinf().any()), 2.0),
+    (_in_place_through_a_view, 5.0),
+    (_tensor_constant, 3.0),
+], ids=["bool-all", "torch.equal", "any", "write-through-view", "tensor-constant"])
+def test_shape_only_values_are_read_at_trace_time(read, value):
+    gm = trace(read).gm
+    muls = [n for n in gm.graph.nodes if n.target == aten.mul.Tensor and value in n.args]
+    assert muls, f"the value {value} read at trace time is not in the graph"
+    reads = [n for n in gm.graph.nodes
+             if n.target in (aten._local_scalar_dense.default, aten.equal.default)]
+    assert not reads  # answered at trace time, nothing left to read at run time
+
+
+def test_a_read_of_a_static_size_adds_no_guard_but_a_batch_size_is_guarded():
+    traced = trace(_causal_check)
+    assert traced.specialized == [] and not traced.shape_env.guards
+    traced = trace(lambda x: float(torch.ones(x.shape[0]).sum()))  # reads the batch size
+    assert traced.specialized == [(0, 0, 3)]  # valid for that batch size only
+
+
+class BufferMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("mask", torch.ones(6))
+
+    def forward(self, x):
+        if self.mask.any():  # BUFFER-READ: a buffer is state, its value may change
+            return self.lin(x) * self.mask
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("make, marker", [
+    (lambda: Masked(lambda x: 2.0 if x.sum() > 0 else 1.0), "lambda x: 2.0 if x.sum() > 0"),
+    (lambda: Masked(lambda x: 2.0 if torch.equal(x, x.flip(0)) else 1.0), "torch.equal(x, x"),
+    (BufferMask, "BUFFER-READ"),
+], ids=["batch", "torch.equal-on-batch", "buffer"])
+def test_reads_of_data_still_raise_naming_the_line(make, marker):
+    model = make()
+    with pytest.raises(TraceError) as info:
+        trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          torch.randn(3, 5, 6)), {})
+    msg = str(info.value)
+    assert __file__ in msg and marker in msg, msg
