@@ -5,7 +5,8 @@ from a deepcopy of it, Adam for both, and runs ``STEPS`` compiled steps with dif
 rank, the last one a shorter batch. After every step it compares, on every rank, the returned loss,
 every parameter (``full_tensor()`` of fully_shard's shards) and every optimizer state tensor with
 DDP's. Dropout cases seed the global generator identically before both runs: the compiled step must
-draw the same random numbers as the eager one.
+draw the same random numbers as the eager one (and, as a control, two seeds must give different
+outputs).
 
 All cases of both modes run in one worker job, so the pool and the imports are paid once.
 
@@ -92,6 +93,14 @@ def _run_case(name: str, style: str) -> dict:
         ref_buffers = dict(ddp.module.named_buffers())
         for bname, b in model.named_buffers():
             diff.close(f"step {i}: buffer {bname}", b, ref_buffers[bname])
+    if case.dropout:  # the control: the step's result does depend on the random stream
+        outs = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                outs.append(ddp.module(batch[0]))
+        if torch.equal(*outs):
+            diff.problems.append("dropout draws nothing: two seeds give the same output")
     return dict(max_err=diff.max_err, problems=diff.problems, compiles=compiled.compile_count)
 
 
@@ -101,7 +110,7 @@ def zoo_job(names: list[str]) -> dict:
     out = {}
     for style in MODES:
         for name in names:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 out[name, style] = _run_case(name, style)
             except Exception as e:  # noqa: BLE001 - reported per case
@@ -109,6 +118,7 @@ def zoo_job(names: list[str]) -> dict:
                     exception=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
                 dist.barrier()  # keep the ranks together for the next case
             out[name, style]["seconds"] = time.perf_counter() - start
+            out[name, style]["cpu_seconds"] = time.process_time() - cpu
     return out
 
 
@@ -134,6 +144,28 @@ def test_zoo_model_matches_ddp(pool2, name, style):
         rep = reports[name, style]
         assert "exception" not in rep, f"{name} ({style}) raised on rank {rank}: {rep['exception']}"
         print(f"{name} {style} rank {rank}: max |diff| {rep['max_err']:.2g}, "
-              f"{rep['compiles']} compiles, {rep['seconds']:.1f}s")
+              f"{rep['compiles']} compiles, {rep['seconds']:.1f}s ({rep['cpu_seconds']:.1f}s CPU)")
         assert not rep["problems"], (
             f"{name} ({style}) differs from DDP on rank {rank}:\n  " + "\n  ".join(rep["problems"][:10]))
+
+
+def test_a_loop_over_data_dependent_experts_raises_naming_the_line():
+    """Hugging Face's "eager" experts loop runs once per expert hit (``for expert_idx in
+    expert_hit``): a Python loop whose trip count is data. It cannot be one graph; the error names
+    the loop. (The default "grouped_mm" experts compile: hf_mixtral_moe above.)"""
+    import transformers
+
+    from spmd_compiler.errors import TraceError
+    from spmd_compiler.tracing import trace_step
+    from tests.zoo import VOCAB, hf_step
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        experts_implementation="eager")
+    model = transformers.MixtralForCausalLM(cfg)
+    batch = make_batch("hf_mixtral_moe", 0, BATCH, 0)
+    with pytest.raises(TraceError) as info:
+        trace_step(hf_step, (model, torch.optim.Adam(model.parameters()), batch), {})
+    assert "modeling_mixtral.py" in str(info.value)
+    assert "for expert_idx in expert_hit" in str(info.value)
