@@ -374,6 +374,22 @@ class _Analysis:
             return name != "_foreach_norm"
         return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
+    def _masked_write(self, node, name, shards) -> bool:
+        """``t[mask] = scalar`` (``index_put`` with one boolean mask of ``t``'s shape, as Rprop
+        writes its update): elementwise, so a shard computes its part of the whole."""
+        if name not in ("index_put", "index_put_"):
+            return False
+        args = _arguments(node)
+        indices = args and args["indices"]
+        if not (indices and len(indices) == 1 and isinstance(indices[0], fx.Node)):
+            return False
+        target, mask = args["input"].meta["val"], indices[0].meta["val"]
+        values = args["values"].meta.get("val") if isinstance(args["values"], fx.Node) else None
+        return (mask.dtype == torch.bool and mask.dim() == target.dim()
+                and self.env.get(indices[0]) == self.current.get(args["input"],
+                                                                 self.env.get(args["input"]))
+                and (values is None or values.numel() == 1) and len({p for _, p in shards}) == 1)
+
     def param_shard(self, node, name, out, ins):
         """Results of ops on stored parameter/state shards (non-batch ``Shard``, static sizes).
 
@@ -382,6 +398,8 @@ class _Analysis:
         all_reduce; anything else would compute something different on a shard than on the whole
         parameter."""
         shards = [(v, p) for v, p in ins if isinstance(p, Shard)]
+        if self._masked_write(node, name, shards):
+            return shards[0][1]
         if self._elementwise(node, name) and len({p.dim for _, p in shards}) == 1:
             # ranks only: a shard's meta may hold its local or its logical (unsharded) shape
             same = all(v.dim() == out.dim() for v, _ in shards)

@@ -14,7 +14,7 @@ from tabulate import tabulate
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from spmd_compiler.passes.batch_dim import BatchDimError, annotate_placements
-from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Role
+from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler.tracing import trace_step
 
 aten = torch.ops.aten
@@ -549,6 +549,42 @@ def test_fully_shard_expanded_graph(make_optim):
         assert ps and all(p == Shard(0) for p in ps), n
 
 
+def _fully_shard_graph(step, model, optim):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from spmd_compiler.passes.fully_shard import expand_fully_shard
+
+    gm = trace_step(step, (model, optim, (torch.randn(8, 50), torch.randn(8, 8))), {},
+                    input_batch_dim=0).gm
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        return expand_fully_shard(gm, group_name=dist.group.WORLD.group_name, world_size=3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_masked_writes_on_parameter_shards_are_elementwise():
+    """Rprop's ``grad[mask] = 0`` (index_put_ with a boolean mask of the shard's shape) keeps
+    the shard; a cumsum over a shard's rows would compute something else and raises."""
+    model = SimpleMLP()
+    gm = annotate_placements(_fully_shard_graph(sum_loss_step, model,
+                                                torch.optim.Rprop(model.parameters(), lr=0.01)))
+    writes = [n for n in gm.graph.nodes if n.target in (aten.index_put_.default,
+                                                        aten.index_put.default)]
+    assert writes and all(placement(n) == Shard(0) for n in writes)
+
+    def cumsum_step(model, optim, batch):
+        loss = sum_loss_step(model, optim, batch)
+        for p in model.parameters():
+            p.data.copy_(p.data.cumsum(0))  # CUMSUM-ON-SHARDS
+        return loss
+
+    gm = _fully_shard_graph(cumsum_step, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(BatchDimError, match="cumsum on parameter shards is not covered") as info:
+        annotate_placements(gm)
+    assert "CUMSUM-ON-SHARDS" in (info.value.stack_trace or "")
+
+
 # -- property: random chains of shape ops against eager ground truth -------------------------
 
 BASE = (3, 4)  # the non-batch dims of the input
@@ -675,7 +711,6 @@ def test_random_shape_op_chains_match_eager_sharding(data):
 # -- the placement table in docs/batch_dim.md ------------------------------------------------
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "batch_dim.md"
-TABLE_BEGIN, TABLE_END = "<!-- seed-table-begin -->", "<!-- seed-table-end -->"
 
 
 def seed_placement_table() -> str:
@@ -701,12 +736,51 @@ def seed_placement_table() -> str:
                     tablefmt="github")
 
 
-def test_doc_table_is_generated_from_the_code():
+class TimeMajorAttention(nn.Module):
+    """One ``nn.MultiheadAttention`` (time-major, the default layout) with a causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2)
+
+    def forward(self, x):  # (T, b, 8)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[0])
+        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+def attention_placement_table() -> str:
+    """The forward of one nn.MultiheadAttention (T = 5, batch b, embedding 8, 2 heads), with the
+    placement text the dumps print on every node."""
+    from spmd_compiler.visualize import placement_str
+
+    torch.manual_seed(0)
+    model = TimeMajorAttention()
+    gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   (torch.randn(5, 4, 8), torch.randn(5, 4, 8)), input_batch_dim=1)
+    rows = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.meta.get(REGION) != Region.FORWARD or not isinstance(val, torch.Tensor):
+            continue
+        if n.meta.get(ROLE) in (Role.PARAM, Role.BUFFER) or n.target == aten.sub.Tensor:
+            continue  # the weights are R; the loss follows
+        target = str(n.target).removeprefix("aten.") if n.op == "call_function" else n.op
+        rows.append([n.name, target, "[" + ", ".join(str(s) for s in val.shape) + "]",
+                     placement_str(placement(n))])
+    return tabulate(rows, headers=["node", "op", "shape", "placement"], tablefmt="github")
+
+
+DOC_TABLES = {"seed": seed_placement_table, "attention": attention_placement_table}
+
+
+@pytest.mark.parametrize("name", list(DOC_TABLES))
+def test_doc_table_is_generated_from_the_code(name):
     text = DOC.read_text()
-    doc_table = text.split(TABLE_BEGIN)[1].split(TABLE_END)[0].strip()
-    assert doc_table == seed_placement_table(), (
+    doc_table = text.split(f"<!-- {name}-table-begin -->")[1].split(f"<!-- {name}-table-end -->")[0]
+    assert doc_table.strip() == DOC_TABLES[name](), (
         "docs/batch_dim.md is stale: regenerate with `python -m tests.test_batch_dim`")
 
 
 if __name__ == "__main__":
-    print(seed_placement_table())
+    for name, table in DOC_TABLES.items():
+        print(f"<!-- {name}-table-begin -->\n{table()}\n<!-- {name}-table-end -->\n")
