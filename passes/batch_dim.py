@@ -206,9 +206,8 @@ class _Analysis:
             return Shard(dim)
         if factor.is_Integer:
             return _StridedShard(dim, split_factor=int(factor))
-        hint = self.shape_env.size_hint(factor, allow_none=True)
-        hint = int(hint) if hint is not None else None
-        p = _StridedShard(dim, split_factor=hint if hint is not None else 1)
+        hint = int(self.shape_env.optimization_hint(factor, fallback=1))  # adds no guard
+        p = _StridedShard(dim, split_factor=hint)
         p._symbolic_split_factor = self.shape_env.create_symintnode(factor, hint=hint)
         return p
 

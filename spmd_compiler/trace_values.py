@@ -8,8 +8,12 @@ and deterministic factory ops (``full``, ``arange``, ``triu``, ...), and not fro
 buffer, optimizer state or the batch, its value is the same on every call the graph serves: it is a
 function of the sizes. :class:`ReadConstantValues` answers such reads by replaying the recorded
 ops that produced the tensor on real tensors, and specializes every symbolic size the replay reads
-(``int(size)``: a ShapeEnv guard, so a call with another size recompiles). Any other read is left
-to the tracer, which raises its data-dependent error (a ``TraceError`` naming the user's line).
+(``int(size)``: a ShapeEnv guard, so a call with another size recompiles). A step input that is
+not batched (``input_batch_dim=None``, e.g. a mask built outside the step and passed in) may take
+part too: its value at trace time is used, and the graph is then valid only for inputs equal to
+it (a value guard the runtime checks on every call). Any other read — of a parameter, buffer,
+optimizer state or batch data — is left to the tracer, which raises its data-dependent error (a
+``TraceError`` naming the user's line).
 
 torch's own machinery does not cover this: FakeTensor constant propagation only tracks tensors made
 from Python scalars (at most one element), and ``propagate_real_tensors`` would read the values of
@@ -42,7 +46,15 @@ class _Unknown(Exception):
 
 
 class ReadConstantValues(TorchDispatchMode):
-    """Inside ``make_fx``: answer value reads of shape-only tensors (see the module docstring)."""
+    """Inside ``make_fx``: answer value reads of shape-only tensors (see the module docstring).
+
+    ``inputs`` maps a placeholder's position to the real value of an unbatched step input that
+    reads may use; ``used`` collects the positions whose values were read."""
+
+    def __init__(self, inputs: dict[int, torch.Tensor] | None = None):
+        super().__init__()
+        self.inputs = inputs or {}
+        self.used: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -50,27 +62,31 @@ class ReadConstantValues(TorchDispatchMode):
             mode = get_proxy_mode()
             try:
                 with disable_proxy_modes_tracing(), unset_fake_temporarily():
-                    return func(*[_real_value(a, mode) for a in args], **kwargs)
+                    return func(*[self._real_value(a, mode) for a in args], **kwargs)
             except Exception:  # noqa: BLE001 - not a constant, or not replayable here:
                 pass  # the tracer's own handling (its data-dependent error) applies
         return func(*args, **kwargs)
 
-
-def _real_value(t, mode):
-    """The real value of ``t`` (a tensor being traced by the proxy ``mode``, or a real constant),
-    replayed from the graph recorded so far; raises ``_Unknown`` when it depends on more than
-    sizes and constants. Runs with the fake and proxy modes off."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    if not isinstance(t, FakeTensor):
-        return t.clone()  # a real constant
-    if mode is None:
-        raise _Unknown
-    slot = get_proxy_slot(t, mode.tracer, None)
-    if slot is None:
-        raise _Unknown
-    node = slot.proxy.node
-    return _replay(node.graph, node, mode.tracer.root)[node]
+    def _real_value(self, t, mode):
+        """The real value of ``t`` (a tensor being traced by the proxy ``mode``, or a real
+        constant), replayed from the graph recorded so far; raises ``_Unknown`` when it depends
+        on more than sizes, constants and unbatched inputs. Runs with the fake and proxy modes
+        off."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not isinstance(t, FakeTensor):
+            return t.clone()  # a real constant
+        if mode is None:
+            raise _Unknown
+        slot = get_proxy_slot(t, mode.tracer, None)
+        if slot is None:
+            raise _Unknown
+        node = slot.proxy.node
+        placeholders = {n: i for i, n in enumerate(node.graph.find_nodes(op="placeholder"))}
+        inputs = {n: self.inputs[i] for n, i in placeholders.items() if i in self.inputs}
+        env = _replay(node.graph, node, mode.tracer.root, inputs)
+        self.used |= {placeholders[n] for n in inputs if n in env}
+        return env[node]
 
 
 def _is_symbolic_value(node: fx.Node) -> bool:
@@ -126,7 +142,8 @@ def _needed(graph: fx.Graph, target: fx.Node) -> set[fx.Node]:
     return needed
 
 
-def _replay(graph: fx.Graph, target: fx.Node, root: torch.nn.Module) -> dict[fx.Node, object]:
+def _replay(graph: fx.Graph, target: fx.Node, root: torch.nn.Module,
+            inputs: dict[fx.Node, torch.Tensor]) -> dict[fx.Node, object]:
     needed = _needed(graph, target)
     env: dict[fx.Node, object] = {}
     for n in graph.nodes:
@@ -134,11 +151,13 @@ def _replay(graph: fx.Graph, target: fx.Node, root: torch.nn.Module) -> dict[fx.
             continue
         if _is_symbolic_value(n):
             env[n] = _specialize(n.meta["val"])
+        elif n in inputs:
+            env[n] = inputs[n].clone()
         elif n.op == "get_attr":
             env[n] = getattr(root, n.target).clone()  # replayed in-place ops must not touch it
         elif n.op != "call_function" or torch.Tag.nondeterministic_seeded in getattr(
                 n.target, "tags", ()):
-            raise _Unknown  # a placeholder (parameter, buffer, state, batch) or a random op
+            raise _Unknown  # a parameter, buffer, state, batch input or a random op
         else:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
             env[n] = n.target(*tree_map(_specialize, args), **tree_map(_specialize, kwargs))

@@ -88,6 +88,9 @@ class TracedStep:
     # (index, value) of hyperparameters the graph holds as constants: a call with another value
     # needs another graph
     specialized_hparams: list[tuple[int, float]] = field(default_factory=list)
+    # (input position, value) of unbatched inputs whose values the trace read (a mask passed in
+    # and checked for causality): the graph is valid only for inputs equal to these
+    specialized_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     sharded_states: bool = False  # set by the compiler for fully_shard: states live padded
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
@@ -424,6 +427,9 @@ def trace_step(
     out_info = {}
 
     counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
+    unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
+                 enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
+    reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
 
     def stateless_step(*flat):
         params, buffers, states, lifted, inputs = _split(flat, counts)
@@ -439,7 +445,7 @@ def trace_step(
         state_by_key = dict(zip(state_keys, states))
         with _reparametrize_module(module, by_name, strict=False), _tag_regions(), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
-        ), ReadConstantValues(), _compiling_forward(module):
+        ), reads, _compiling_forward(module):
             out = fn(*call_args, **call_kwargs)
             new_states = []
             for opt in sa.optimizers:
@@ -517,6 +523,8 @@ def trace_step(
         num_hparams=len(hparams),
         hparam_tensors=hparam_tensors,
         specialized_hparams=_specialized_hparams(shape_env, hparams, hparam_values),
+        specialized_inputs=[(k, unbatched[k].clone()) for k in
+                            sorted(p - sum(counts) for p in reads.used)],
         fake_inputs=fake_inputs,
         specialized=_specialized_batch_dims(shape_env, fake_inputs, sa.batch_dims),
         out_spec=out_info["spec"],

@@ -112,3 +112,63 @@ def test_reads_of_data_still_raise_naming_the_line(make, marker):
                           torch.randn(3, 5, 6)), {})
     msg = str(info.value)
     assert __file__ in msg and marker in msg, msg
+
+
+@pytest.fixture
+def pg1(tmp_path):
+    """A one-rank gloo default process group for the duration of one test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class MaskedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x, mask):
+        return self.enc(x, mask=mask)  # checks whether the mask is causal
+
+
+def masked_step(model, optim, batch):
+    optim.zero_grad()
+    x, mask, y = batch
+    loss = (model(x, mask) - y).pow(2).sum()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def test_a_mask_passed_in_unbatched_is_read_and_guarded_by_value(pg1):
+    """nn.TransformerEncoder compares a mask given as a step argument (input_batch_dim None) with
+    a causal one: the trace reads its value, and the graph is reused only for equal masks."""
+    from copy import deepcopy
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    torch.manual_seed(0)
+    model = MaskedEncoder()
+    ref = deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+    compiled = spmd_compile(DataParallel("replicate", input_batch_dim=(0, None, 0)))(masked_step)
+    other = torch.zeros(5, 5)
+    other[0, 1:] = float("-inf")  # not causal
+    counts = []
+    for i, mask in enumerate([causal(5), causal(5), other, causal(5), other]):
+        batch = (torch.randn(3, 5, 8), mask, torch.randn(3, 5, 8))
+        loss = compiled(model, opt, batch)
+        expected = masked_step(ref, ref_opt, batch)
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-5)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.to_local(), q, rtol=1e-5, atol=1e-6)
+        counts.append(compiled.compile_count)
+    assert counts == [1, 1, 2, 2, 2]  # one graph per mask value
+    specialized = [e.traced.specialized_inputs for e in compiled._cache[compiled._last_key]]
+    assert [[k for k, _ in s] for s in specialized] == [[1], [1]]
