@@ -428,7 +428,8 @@ def step_key(sa: StepArgs) -> tuple:
 
 def _why(old: tuple, new: tuple) -> str:
     changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
-    return "changed " + ", ".join(changed) if changed else "input shapes or a baked-in learning rate outside the guards"
+    return "changed " + ", ".join(changed) if changed else (
+        "input shapes, a baked-in learning rate or an unbatched input's value outside the guards")
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
