@@ -314,6 +314,11 @@ def _t5_batch(gen, b, t=10):
     return {"input_ids": ids, "attention_mask": mask, "labels": _tokens(gen, b, 7)}
 
 
+def _clip_batch(gen, b):
+    return {"input_ids": _tokens(gen, b, 8), "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
+            "return_loss": True}
+
+
 def _vit_batch(gen, b):
     return {"pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
             "labels": torch.randint(0, CLASSES, (b,), generator=gen)}
@@ -395,11 +400,11 @@ CASES: dict[str, ZooCase] = {
     "hf_llama": ZooCase(_hf("LlamaForCausalLM", "LlamaConfig", **_HF_TEXT, hidden_size=32,
                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2), _lm_batch, hf_step),
+    # BERT keeps its default dropout (0.1, in the attention too)
     "hf_bert_classifier": ZooCase(_hf("BertForSequenceClassification", "BertConfig", **_HF_TEXT,
                                       hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=64, num_labels=CLASSES,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-                                  _bert_batch, hf_step),
+                                      intermediate_size=64, num_labels=CLASSES),
+                                  _bert_batch, hf_step, dropout=True),
     "hf_t5": ZooCase(_hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32,
                          d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
                          dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0),
@@ -408,6 +413,18 @@ CASES: dict[str, ZooCase] = {
                           hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                           intermediate_size=64, num_labels=CLASSES, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0), _vit_batch, hf_step),
+    "hf_swin": ZooCase(_hf("SwinForImageClassification", "SwinConfig", image_size=16, patch_size=2,
+                           embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
+                           num_labels=CLASSES), _vit_batch, hf_step),
+    # contrastive: a (batch x batch) similarity matrix of each rank's own pairs
+    "hf_clip": ZooCase(_hf("CLIPModel", "CLIPConfig", projection_dim=16,
+                           text_config=dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, intermediate_size=64,
+                                            max_position_embeddings=32),
+                           vision_config=dict(hidden_size=32, num_hidden_layers=1,
+                                              num_attention_heads=2, intermediate_size=64,
+                                              image_size=16, patch_size=4)),
+                       _clip_batch, hf_step),
     "hf_mixtral_moe": ZooCase(_hf("MixtralForCausalLM", "MixtralConfig", **_HF_TEXT,
                                   hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2,
