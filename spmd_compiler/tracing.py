@@ -595,6 +595,13 @@ def _describe_trace_failure(e: Exception) -> str:
             f"(if/while on a tensor, .item(), .tolist(), bool(tensor)) cannot be compiled. Use "
             f"torch.where / tensor ops instead, or move it out of the step. ({first_line})"
         )
+    if isinstance(e, TypeError) and "FakeTensor" in str(e):
+        return (
+            f"the step uses a tensor's value as a Python number (a size, an index or a count) at "
+            f"{where}. The whole step is recorded once as a graph, so a number that depends on "
+            f"tensor data cannot shape it (e.g. nn.utils.rnn.pack_padded_sequence: its batch "
+            f"sizes come from the lengths). Use padded tensors and masks instead. ({first_line})"
+        )
     if isinstance(e, DynamicOutputShapeException):
         return (
             f"an op whose output shape depends on tensor values (e.g. nonzero, masked_select, "

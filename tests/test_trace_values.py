@@ -172,3 +172,24 @@ def test_a_mask_passed_in_unbatched_is_read_and_guarded_by_value(pg1):
     assert counts == [1, 1, 2, 2, 2]  # one graph per mask value
     specialized = [e.traced.specialized_inputs for e in compiled._cache[compiled._last_key]]
     assert [[k for k, _ in s] for s in specialized] == [[1], [1]]
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(6, 6, batch_first=True)
+
+    def forward(self, x):  # (b, t, 6), zero-padded
+        lengths = (x.abs().sum(-1) != 0).sum(1)
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        return self.rnn(packed)[1][0]  # PACKED-LSTM: its batch sizes come from the data
+
+
+def test_a_number_computed_from_data_names_the_line():
+    model = PackedLSTM()
+    with pytest.raises(TraceError) as info:
+        trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          torch.randn(3, 5, 6)), {})
+    msg = str(info.value)
+    assert "as a Python number" in msg and "PACKED-LSTM" in msg and __file__ in msg, msg
