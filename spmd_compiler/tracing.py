@@ -37,7 +37,6 @@ from torch.nn.utils.stateless import _reparametrize_module
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
 
-from .trace_values import ReadConstantValues
 from .errors import (
     BatchDimError,
     MissingGradientError,
@@ -46,6 +45,7 @@ from .errors import (
     TraceError,
     UnsupportedError,
 )
+from .trace_values import ReadConstantValues
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -232,18 +232,18 @@ def _compiling_forward(module: torch.nn.Module):
     torch's own make_fx-based (non-strict) export does: libraries then take their traceable code
     paths (Hugging Face avoids data-dependent checks and runs its grouped expert matmul as a custom
     op with a fake kernel). The loss code and the optimizer step run as written."""
-    depth = [0]
+    saved = {"depth": 0, "flag": False}
 
     def enter(*_):
-        depth[0] += 1
-        if depth[0] == 1:
-            depth.append(torch.compiler._is_compiling_flag)
+        if saved["depth"] == 0:
+            saved["flag"] = torch.compiler._is_compiling_flag
             torch.compiler._is_compiling_flag = True
+        saved["depth"] += 1
 
     def leave(*_):
-        depth[0] -= 1
-        if depth[0] == 0:
-            torch.compiler._is_compiling_flag = depth.pop()
+        saved["depth"] -= 1
+        if saved["depth"] == 0:
+            torch.compiler._is_compiling_flag = saved["flag"]
 
     hooks = [module.register_forward_pre_hook(enter),
              module.register_forward_hook(leave, always_call=True)]
@@ -252,8 +252,8 @@ def _compiling_forward(module: torch.nn.Module):
     finally:
         for h in hooks:
             h.remove()
-        if depth[0]:
-            torch.compiler._is_compiling_flag = depth[1]
+        if saved["depth"]:  # the forward raised
+            torch.compiler._is_compiling_flag = saved["flag"]
 
 
 def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:

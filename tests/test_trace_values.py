@@ -193,3 +193,23 @@ def test_a_number_computed_from_data_names_the_line():
                           torch.randn(3, 5, 6)), {})
     msg = str(info.value)
     assert "as a Python number" in msg and "PACKED-LSTM" in msg and __file__ in msg, msg
+
+
+def test_the_forward_is_recorded_as_compiling_the_rest_as_written():
+    """Libraries take their traceable paths inside the model's forward
+    (torch.compiler.is_compiling(), as in torch's non-strict export); the loss code and the
+    optimizer run as written; the flag is restored afterwards."""
+    def compiling_step(model, optim, x):
+        optim.zero_grad()
+        loss = model(x).sum() * (5.0 if torch.compiler.is_compiling() else 7.0)
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = Masked(lambda x: 2.0 if torch.compiler.is_compiling() else 3.0)
+    gm = trace_step(compiling_step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     torch.randn(3, 5, 6)), {}).gm
+    constants = {a for n in gm.graph.nodes if n.target == aten.mul.Tensor for a in n.args
+                 if isinstance(a, float)}
+    assert {2.0, 7.0} <= constants and not {3.0, 5.0} & constants
+    assert not torch.compiler.is_compiling()
