@@ -280,6 +280,7 @@ def _hf(model_cls: str, config_cls: str, **config) -> Callable[[], nn.Module]:
     def build():
         import transformers
 
+        transformers.logging.set_verbosity_error()  # its notes on tiny configs are noise here
         cfg = getattr(transformers, config_cls)(**config)
         return getattr(transformers, model_cls)(cfg)
 
@@ -396,7 +397,8 @@ CASES: dict[str, ZooCase] = {
     # Hugging Face transformers
     "hf_gpt2": ZooCase(_hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=32,
                            n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                           attn_pdrop=0.0), _lm_batch, hf_step),
+                           attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+                       _lm_batch, hf_step),
     "hf_llama": ZooCase(_hf("LlamaForCausalLM", "LlamaConfig", **_HF_TEXT, hidden_size=32,
                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2), _lm_batch, hf_step),
@@ -420,7 +422,8 @@ CASES: dict[str, ZooCase] = {
     "hf_clip": ZooCase(_hf("CLIPModel", "CLIPConfig", projection_dim=16,
                            text_config=dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
                                             num_attention_heads=2, intermediate_size=64,
-                                            max_position_embeddings=32),
+                                            max_position_embeddings=32, bos_token_id=0,
+                                            eos_token_id=1, pad_token_id=2),
                            vision_config=dict(hidden_size=32, num_hidden_layers=1,
                                               num_attention_heads=2, intermediate_size=64,
                                               image_size=16, patch_size=4)),
