@@ -300,7 +300,10 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None]
     run in place between the compiled regions.
     """
     if backend == "inductor":
-        return torch.compile(fused_kernels_outside_compile(gm), backend="inductor", dynamic=True)
+        # fallback_random: random ops (dropout) draw from torch's generator in graph order, the
+        # numbers eager PyTorch (and DDP) draws, instead of Inductor's own random stream
+        return torch.compile(fused_kernels_outside_compile(gm), backend="inductor", dynamic=True,
+                             options={"fallback_random": True})
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     runnable = gather_into_preallocated(reduce_in_place(torch.fx.GraphModule(gm, graph)))
@@ -431,7 +434,8 @@ def step_key(sa: StepArgs) -> tuple:
 
 def _why(old: tuple, new: tuple) -> str:
     changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
-    return "changed " + ", ".join(changed) if changed else "input shapes or a baked-in learning rate outside the guards"
+    return "changed " + ", ".join(changed) if changed else (
+        "input shapes, a baked-in learning rate or an unbatched input's value outside the guards")
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",

@@ -251,6 +251,9 @@ class CompiledGraph:
         for k, d, size in self.traced.specialized:
             if inputs[k].shape[d] != size:
                 return False
+        for k, value in self.traced.specialized_inputs:
+            if not torch.equal(inputs[k], value):
+                return False
         if self.guard_code is None:
             return True
         return bool(self.traced.shape_env.evaluate_guards_expression(self.guard_code, inputs))

@@ -45,6 +45,7 @@ from .errors import (
     TraceError,
     UnsupportedError,
 )
+from .trace_values import ReadConstantValues
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -87,6 +88,9 @@ class TracedStep:
     # (index, value) of hyperparameters the graph holds as constants: a call with another value
     # needs another graph
     specialized_hparams: list[tuple[int, float]] = field(default_factory=list)
+    # (input position, value) of unbatched inputs whose values the trace read (a mask passed in
+    # and checked for causality): the graph is valid only for inputs equal to these
+    specialized_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     sharded_states: bool = False  # set by the compiler for fully_shard: states live padded
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
@@ -220,6 +224,36 @@ def _tag_regions():
         yield
     finally:
         torch.autograd.backward = original
+
+
+@contextlib.contextmanager
+def _compiling_forward(module: torch.nn.Module):
+    """Make ``torch.compiler.is_compiling()`` true while the model's forward is recorded, as
+    torch's own make_fx-based (non-strict) export does: libraries then take their traceable code
+    paths (Hugging Face avoids data-dependent checks and runs its grouped expert matmul as a custom
+    op with a fake kernel). The loss code and the optimizer step run as written."""
+    saved = {"depth": 0, "flag": False}
+
+    def enter(*_):
+        if saved["depth"] == 0:
+            saved["flag"] = torch.compiler._is_compiling_flag
+            torch.compiler._is_compiling_flag = True
+        saved["depth"] += 1
+
+    def leave(*_):
+        saved["depth"] -= 1
+        if saved["depth"] == 0:
+            torch.compiler._is_compiling_flag = saved["flag"]
+
+    hooks = [module.register_forward_pre_hook(enter),
+             module.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        if saved["depth"]:  # the forward raised
+            torch.compiler._is_compiling_flag = saved["flag"]
 
 
 def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
@@ -393,6 +427,9 @@ def trace_step(
     out_info = {}
 
     counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
+    unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
+                 enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
+    reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
 
     def stateless_step(*flat):
         params, buffers, states, lifted, inputs = _split(flat, counts)
@@ -408,7 +445,7 @@ def trace_step(
         state_by_key = dict(zip(state_keys, states))
         with _reparametrize_module(module, by_name, strict=False), _tag_regions(), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
-        ):
+        ), reads, _compiling_forward(module):
             out = fn(*call_args, **call_kwargs)
             new_states = []
             for opt in sa.optimizers:
@@ -486,6 +523,8 @@ def trace_step(
         num_hparams=len(hparams),
         hparam_tensors=hparam_tensors,
         specialized_hparams=_specialized_hparams(shape_env, hparams, hparam_values),
+        specialized_inputs=[(k, unbatched[k].clone()) for k in
+                            sorted(p - sum(counts) for p in reads.used)],
         fake_inputs=fake_inputs,
         specialized=_specialized_batch_dims(shape_env, fake_inputs, sa.batch_dims),
         out_spec=out_info["spec"],
@@ -555,6 +594,13 @@ def _describe_trace_failure(e: Exception) -> str:
             f"recorded once as a graph, so Python control flow that depends on tensor data "
             f"(if/while on a tensor, .item(), .tolist(), bool(tensor)) cannot be compiled. Use "
             f"torch.where / tensor ops instead, or move it out of the step. ({first_line})"
+        )
+    if isinstance(e, TypeError) and "FakeTensor" in str(e):
+        return (
+            f"the step uses a tensor's value as a Python number (a size, an index or a count) at "
+            f"{where}. The whole step is recorded once as a graph, so a number that depends on "
+            f"tensor data cannot shape it (e.g. nn.utils.rnn.pack_padded_sequence: its batch "
+            f"sizes come from the lengths). Use padded tensors and masks instead. ({first_line})"
         )
     if isinstance(e, DynamicOutputShapeException):
         return (
