@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from spmd_compiler.passes import batch_dim
 from spmd_compiler.passes.bucketing import bucket_collectives
@@ -186,7 +187,15 @@ class CompiledStep:
         return os.path.join(self.dump_dir, f"compile_{index}") if dist.get_rank() == 0 else None
 
     def _build(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None):
-        """Trace, analyze, expand, optimize and lower the step; touches no live state."""
+        """Trace, analyze, expand, optimize and lower the step; touches no live state.
+
+        Graph modules made meanwhile generate and compile their Python code only when it is
+        read or run (torch.fx's lazy graph modules): each pass's ``recompile()`` only marks it.
+        """
+        with _use_lazy_graph_module(True):
+            return self._build_stages(sa, group_name, world_size, key)
+
+    def _build_stages(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None):
         if self._last_key is not None and key is not None:
             _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
         fully_shard = self.parallel_mode.parallel_style == "fully_shard"
@@ -297,7 +306,7 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None]
         return torch.compile(fused_kernels_outside_compile(gm), backend="inductor", dynamic=True)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    runnable = gather_into_preallocated(reduce_in_place(torch.fx.GraphModule(gm, graph)))
+    runnable = gather_into_preallocated(reduce_in_place(_make_graph_module(gm, graph)))
     return place_rank_check(runnable, rank_check) if rank_check else runnable
 
 
@@ -312,7 +321,7 @@ def fused_kernels_outside_compile(gm: torch.fx.GraphModule) -> torch.fx.GraphMod
         schema = getattr(node.target, "_schema", None)
         if node.op == "call_function" and schema is not None and schema.name.startswith("aten::_fused_"):
             node.target = _eager_kernel(node.target)
-    return torch.fx.GraphModule(gm, graph)
+    return _make_graph_module(gm, graph)
 
 
 @functools.cache

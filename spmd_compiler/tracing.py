@@ -15,7 +15,9 @@ step created (when the optimizer had none yet).
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
+import sys
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -25,13 +27,19 @@ import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.proxy_tensor import (
+    PythonKeyTracer,
+    _MakefxTracer,
+    get_proxy_mode,
+    get_proxy_slot,
+)
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
     ShapeEnv,
     StatelessSymbolicContext,
+    uninteresting_files,
 )
-from torch.fx.proxy import _register_stack_trace_anchor
+from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from spmd_compiler.passes import meta
@@ -291,6 +299,85 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
             opt.state = state
 
 
+class _StepTracer(PythonKeyTracer):
+    """make_fx's tracer, plus the two annotations the compiler shows users, made cheaply:
+
+    - ``node.stack_trace``: the frames of ``forward`` methods and of the step itself (as
+      make_fx's ``record_stack_traces``), read from the live Python frames instead of a
+      symbolized C++ traceback of the whole stack, and formatted once per distinct stack;
+    - ``node.meta["nn_module_stack"]``: the model's submodules being called (as make_fx's
+      ``record_module_stack``, without its proxies for every module attribute access).
+
+    On a 24-block GPT-2 step this halves the trace (measurements in docs/benchmarks.md).
+    """
+
+    def __init__(self, root_module: torch.nn.Module):
+        super().__init__()
+        self._paths = {}
+        for name, m in root_module.named_modules(remove_duplicate=False):
+            self._paths.setdefault(id(m), name)
+        self._calls: dict[str, int] = {}
+        self._formatted: dict[tuple, str] = {}
+        self._skip = uninteresting_files()
+
+    def call_module(self, m, forward, args, kwargs):
+        path = self._paths.get(id(m))
+        if path is None:
+            return forward(*args, **kwargs)
+        calls = self._calls.get(path, 0)
+        self._calls[path] = calls + 1
+        key = f"{path}@{calls}" if calls else path
+        self.module_stack[key] = (path, f"{type(m).__module__}.{type(m).__qualname__}")
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.module_stack.pop(key, None)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            node.stack_trace = self._stack_trace(sys._getframe(1))
+        return node
+
+    def _stack_trace(self, frame) -> str | None:
+        frames = []
+        while frame is not None:
+            code = frame.f_code
+            if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
+                    and code.co_filename not in self._skip:
+                frames.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        if not frames:
+            return None
+        key = tuple(frames)
+        text = self._formatted.get(key)
+        if text is None:
+            text = self._formatted[key] = "".join(
+                f'  File "{f}", line {n}, in {name}\n    {linecache.getline(f, n).strip()}\n'
+                for f, n, name in reversed(frames)).strip()
+        return text
+
+
+class _StepRecorder(_MakefxTracer):
+    """make_fx (symbolic) recording with a ``_StepTracer``."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(None, "symbolic", False, False, False, False, True,
+                         _disable_torch_fn_metadata_mode=True)
+        self._module = module
+
+    def _construct_modes_with_fx_tracer(self, fx_tracer):
+        self.fx_tracer = _StepTracer(self._module)
+        super()._construct_modes_with_fx_tracer(self.fx_tracer)
+
+
+def record(fn: Callable, module: torch.nn.Module) -> Callable[..., torch.fx.GraphModule]:
+    """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
+    the path of the submodule of ``module`` they were recorded in."""
+    recorder = _StepRecorder(module)
+    return lambda *args: recorder.trace(fn, *args)
+
+
 def _global_meta(t: torch.Tensor):
     """(shape, dtype, device) of a tensor; for a DTensor the global (logical) ones."""
     return tuple(t.shape), t.dtype, t.device
@@ -434,16 +521,14 @@ def trace_step(
         out_info["n"] = len(traced_out)
         return traced_out + new_states
 
-    # make_fx keeps only frames of `forward` methods in node stack traces; anchor the step itself
-    # too, so nodes recorded in the step's own lines (grad clipping, loss code) name them.
+    # Node stack traces keep frames of `forward` methods; anchor the step itself too, so nodes
+    # recorded in the step's own lines (grad clipping, loss code) name them.
     _register_stack_trace_anchor(getattr(fn, "__wrapped__", fn))
-    stateless_step._orig_mod = module  # nn_module_stack paths relative to the model
     try:
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            gm = make_fx(stateless_step, tracing_mode="symbolic", record_stack_traces=True,
-                         record_module_stack=True)(
+            gm = record(stateless_step, module)(
                 *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
                 *fake_inputs,
             )
