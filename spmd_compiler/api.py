@@ -35,11 +35,13 @@ from .consistency import (
     CACHED,
     COMPILE,
     COMPILE_FAILED,
-    agree_on_compile,
+    Redispatch,
+    agree_on_call,
     agree_on_program,
     agreement_in_flight,
     await_agreement,
     describe_program,
+    exchange_objects,
     start_agreement,
 )
 from .runtime import (
@@ -51,7 +53,7 @@ from .runtime import (
     place_state,
     retain_host_memory,
 )
-from .tracing import LIFTED_HPARAMS, StepArgs, split_step_args, trace_step
+from .tracing import LIFTED_HPARAMS, StepArgs, TracedStep, split_step_args, trace_step
 
 log = logging.getLogger("spmd_compiler")
 
@@ -90,7 +92,12 @@ class CompiledStep:
         self.gm_transformation = gm_transformation
         self.check_ranks = check_ranks
         self.retain_host_memory = retain_host_memory
-        self._cache: dict[tuple, list[CompiledGraph]] = {}
+        # Every program compiled so far, in compile order. Every rank compiles together, so
+        # program k is the same program on every rank (the per-call agreement relies on it).
+        self._programs: list[CompiledGraph] = []
+        # per (input structure, leaf): the shape at the last compile, and the dims traced dynamic
+        self._seen_shapes: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._dynamic: dict[tuple[str, int], set[int]] = {}
         self._last_key: tuple | None = None
         self.compile_count = 0
         self.last_compile_seconds: float | None = None
@@ -105,46 +112,60 @@ class CompiledStep:
                 "torch.distributed.init_process_group(...) first (e.g. launch with torchrun, "
                 "backend 'gloo' on CPU or 'nccl' on CUDA)."
             )
+        mode = self.parallel_mode
         try:
-            sa = split_step_args(args, kwargs, self.parallel_mode.input_batch_dim)
+            sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims)
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
-                agree_on_compile(COMPILE_FAILED, 0, str(e), default_mesh(_device_of(args, kwargs)).get_group(), e)
+                group = default_mesh(_device_of(args, kwargs)).get_group()
+                agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
             raise
         mesh = default_mesh(module_device(sa.module))
         key = step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         hparams = lifted_hparams(sa)
-        entry = next((e for e in self._cache.get(key, ()) if e.guards_hold(inputs, hparams)), None)
-        pending = None
+        fits = [k for k, e in enumerate(self._programs)
+                if e.static_key == key and e.guards_hold(inputs, hparams)]
+        choice = fits[-1] if fits else None  # the newest program that fits, as dynamo's cache
         if self.check_ranks:
             batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
                           if d is not None), 0)
-            reason = "" if entry else (_why(self._last_key, key) if self._last_key else "first call")
-            with communication_failures("the per-call agreement between ranks"):
-                if entry is not None and entry.checks_ranks_inside:
-                    # checked by the graph itself, before its first collective or state update
-                    pending = start_agreement(CACHED, batch, reason, mesh.get_group())
-                else:
-                    agree_on_compile(CACHED if entry else COMPILE, batch, reason, mesh.get_group())
-        if entry is None:
-            entry = self._compile(sa, mesh, key)
-        with torch.no_grad(), agreement_in_flight(pending):
+            group = mesh.get_group()
+            if choice is not None and self._programs[choice].checks_ranks_inside:
+                # Run it while the agreement travels; the graph awaits it before its first
+                # collective or state update, and stops there if the ranks chose otherwise.
+                with communication_failures("the per-call agreement between ranks"):
+                    pending = start_agreement(CACHED, batch, group, fits, len(self._programs),
+                                              running=choice)
+                try:
+                    with torch.no_grad(), agreement_in_flight(pending):
+                        return self._programs[choice](sa, mesh, hparams)
+                except Redispatch as r:
+                    choice = r.choice
+            else:
+                with communication_failures("the per-call agreement between ranks"):
+                    choice = agree_on_call(CACHED if fits else COMPILE, batch, group, fits,
+                                           len(self._programs))
+        entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
+        with torch.no_grad():
             return entry(sa, mesh, hparams)
 
     # -- compiling ----------------------------------------------------------------------------
 
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
         """Build the graph, check that every rank built the same, then place the live state."""
+        group = mesh.get_group()
+        with communication_failures("the compile-time agreement between ranks"):
+            dynamic, why = self._dims_to_trace_dynamic(sa, group)
         try:
             gm, traced, guard_code, seconds, runnable = self._build(
-                sa, mesh.get_group().group_name, mesh.size(), key)
-            description = describe_program(gm, sa, guard_code)
+                sa, group.group_name, mesh.size(), key, dynamic, why)
+            description = describe_program(gm, sa, guard_code, traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
         if self.check_ranks:
             with communication_failures("the compile-time agreement between ranks"):
-                agree_on_program(description, mesh.get_group())
+                agree_on_program(description, group)
         elif isinstance(description, Exception):
             raise description
         if self.retain_host_memory:
@@ -155,7 +176,8 @@ class CompiledStep:
         key = step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager")
-        self._cache.setdefault(key, []).append(entry)
+        self._programs.append(entry)
+        self._remember_input_shapes(sa, traced)
         self._last_key = key
         self.compile_count += 1
         seconds["placed state"] = time.perf_counter() - start
@@ -174,6 +196,59 @@ class CompiledStep:
         )
         return entry
 
+    # -- dynamic sizes ------------------------------------------------------------------------
+
+    def _dims_to_trace_dynamic(self, sa: StepArgs, group) -> tuple[dict[int, tuple[int, ...]], list[str]]:
+        """Per input leaf, the non-batch dims to trace as symbolic sizes, and why (for the log).
+
+        A dim is dynamic when the user declared it (``DataParallel(dynamic_dims=...)``,
+        ``torch._dynamo.mark_dynamic``), when it was dynamic in an earlier compile of this step,
+        when its size changed since the last compile (``automatic_dynamic``, as dynamo's
+        automatic dynamic shapes), or when it differs across ranks in this call. The ranks
+        exchange their view, so all of them trace the same dims as dynamic.
+        """
+        structure = str(sa.spec)
+        rank = f" on rank {dist.get_rank(group)}" if dist.get_world_size(group) > 1 else ""
+        mine: dict[int, tuple[tuple[int, ...], list[int], list[str]]] = {}
+        for i, b in zip(sa.input_indices, sa.batch_dims):
+            shape = tuple(sa.leaves[i].shape)
+            declared = set(sa.dynamic_dims.get(i, ()))
+            dims = declared | self._dynamic.get((structure, i), set())
+            why = [f"{sa.leaf_name(i)} dim {d}: declared dynamic" for d in sorted(declared)]
+            seen = self._seen_shapes.get((structure, i))
+            if self.parallel_mode.automatic_dynamic and seen is not None and len(seen) == len(shape):
+                for d, (before, now) in enumerate(zip(seen, shape)):
+                    if before != now and d != b and d not in dims:
+                        dims.add(d)
+                        why.append(f"{sa.leaf_name(i)} dim {d}: size changed {before} -> {now}"
+                                   f"{rank}")
+            mine[i] = (shape, sorted(dims - {b}), why)
+        everyone = [mine]
+        if self.check_ranks and dist.get_world_size(group) > 1:
+            everyone = exchange_objects(mine, group)
+        dynamic, why = {}, []
+        for i, b in zip(sa.input_indices, sa.batch_dims):
+            views = [r[i] for r in everyone if i in r]
+            dims = set().union(*(set(v[1]) for v in views))
+            why += [w for w in dict.fromkeys(w for v in views for w in v[2]) if w not in why]
+            shapes = [v[0] for v in views]
+            if len({len(s) for s in shapes}) == 1:
+                differ = {d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1}
+                differ -= dims | {b}
+                why += [f"{sa.leaf_name(i)} dim {d}: sizes differ across ranks "
+                        f"({', '.join(str(s[d]) for s in shapes)})" for d in sorted(differ)]
+                dims |= differ
+            dynamic[i] = tuple(sorted(dims - {b}))
+        return dynamic, why
+
+    def _remember_input_shapes(self, sa: StepArgs, traced: TracedStep) -> None:
+        """Record this compile's input shapes and dynamic dims, for the next compile's
+        automatic dynamic dims."""
+        structure = str(sa.spec)
+        for i in sa.input_indices:
+            self._seen_shapes[(structure, i)] = tuple(sa.leaves[i].shape)
+            self._dynamic.setdefault((structure, i), set()).update(traced.dynamic_dims.get(i, ()))
+
     def _dump_dir_for_compile(self, index: int | None = None) -> str | None:
         """``<dump_dir>/compile_<n>`` for the n-th compile, on rank 0 only (every rank with
         SPMD_LOG_ALL_RANKS, in ``rank_<r>`` subfolders)."""
@@ -186,18 +261,23 @@ class CompiledStep:
             return os.path.join(self.dump_dir, f"rank_{dist.get_rank()}", f"compile_{index}")
         return os.path.join(self.dump_dir, f"compile_{index}") if dist.get_rank() == 0 else None
 
-    def _build(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None):
+    def _build(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None,
+               dynamic: dict[int, tuple[int, ...]] | None = None, why: list[str] = ()):
         """Trace, analyze, expand, optimize and lower the step; touches no live state.
 
         Graph modules made meanwhile generate and compile their Python code only when it is
         read or run (torch.fx's lazy graph modules): each pass's ``recompile()`` only marks it.
         """
         with _use_lazy_graph_module(True):
-            return self._build_stages(sa, group_name, world_size, key)
+            return self._build_stages(sa, group_name, world_size, key, dynamic, why)
 
-    def _build_stages(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None):
+    def _build_stages(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None,
+                      dynamic: dict[int, tuple[int, ...]] | None, why: list[str]):
+        """Trace, analyze, expand, optimize and lower the step; touches no live state."""
         if self._last_key is not None and key is not None:
             _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
+        if why:
+            _info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         fully_shard = self.parallel_mode.parallel_style == "fully_shard"
         seconds: dict[str, float] = {}
         dump_index = [0]
@@ -213,7 +293,9 @@ class CompiledStep:
 
         t = time.perf_counter()
         traced = trace_step(self.fn, (), {}, step_args=sa,
-                            fuse_optimizer=self.parallel_mode.fuse_optimizer)
+                            fuse_optimizer=self.parallel_mode.fuse_optimizer,
+                            dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic)
+        _log_specializations(traced, sa)
         stage("traced", traced.gm, t)
 
         t = time.perf_counter()
@@ -265,6 +347,17 @@ class CompiledStep:
         return gm, traced, guard_code, seconds, runnable
 
 
+def _log_specializations(traced: TracedStep, sa: StepArgs) -> None:
+    """Say where the step made a dim traced as dynamic static again."""
+    for i, d, size, where in traced.specialized_dims:
+        _info("spmd_compiler: %s dim %d was traced as a dynamic size, but the step specialized "
+              "it to %d at %s; this graph serves only that size", sa.leaf_name(i), d, size, where)
+    for i, d, where in traced.entangled:
+        _info("spmd_compiler: the step ties %s dim %d to the batch size at %s; traced as a "
+              "static size (a dim holding the batch size's symbol would count as batch-sharded)",
+              sa.leaf_name(i), d, where)
+
+
 def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = None,
             world_size: int | None = None, dump_dir: str | None = None, **kwargs):
     """Compile ``train_step(*args, **kwargs)`` without running it or touching the model and
@@ -282,7 +375,8 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
         group_name, world = group.group_name, dist.get_world_size()
     else:
         group_name, world = "explain", world_size or 2
-    sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim)
+    sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
+                         step.parallel_mode.dynamic_dims)
     gm, _, _, seconds, _ = step._build(sa, group_name, world, None)
     summary = summarize(gm, compile_times=seconds)
     if step.dump_dir:
@@ -394,7 +488,7 @@ def _hashable(x: Any) -> Any:
 
 
 def step_key(sa: StepArgs) -> tuple:
-    """Everything a compiled graph depends on besides the batch size (which the guards check).
+    """Everything a compiled graph depends on besides the input sizes (which its guards check).
 
     Named components, so a recompile can say what changed.
     """
@@ -416,11 +510,12 @@ def step_key(sa: StepArgs) -> tuple:
             for p, st in opt.state.items()
         )
         optim.append((type(opt), id(opt), groups, state))
+    # Sizes are left to each program's guards (a dim may be static in one program and a
+    # symbol in a later one); the rank and everything else that makes another program is here.
     inputs = []
     for i, d in zip(sa.input_indices, sa.batch_dims):
         t = sa.leaves[i]
-        shape = tuple(None if j == d else s for j, s in enumerate(t.shape))
-        inputs.append((shape, d, t.dtype, t.device, t.requires_grad))
+        inputs.append((t.dim(), d, t.dtype, t.device, t.requires_grad))
     constants = tuple(
         _hashable(x) for j, x in enumerate(sa.leaves)
         if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices

@@ -46,6 +46,15 @@ class DataParallel:
             ``foreach`` update over all parameters is split into one per bucket).
         overlap: move each collective's wait to the first use of its result, so communication
             runs while the rest of the step computes. ``False`` waits right after issuing.
+        dynamic_dims: non-batch dims to compile as symbolic sizes from the first call on (a
+            sequence length), so one program serves every size: an int for every batched input,
+            or a pytree shaped like the batch of ints/None (one dim per input; for several, or
+            instead, ``torch._dynamo.mark_dynamic(tensor, dims)`` on the input). Ranks may pass
+            different sizes in these dims, as in the batch dim.
+        automatic_dynamic: like torch.compile's automatic dynamic shapes: a dim whose size
+            changed since the last compile is compiled as a symbolic size on the recompile, so
+            a new length compiles once more and then never again. A dim that differs across
+            ranks is always compiled as a symbolic size on every rank.
     """
 
     parallel_style: str = "replicate"
@@ -59,6 +68,8 @@ class DataParallel:
     fuse_optimizer: bool = True
     split_optimizer: bool = True
     overlap: bool = True
+    dynamic_dims: Any = None
+    automatic_dynamic: bool = True
 
     def __post_init__(self):
         if self.parallel_style not in _STYLES:
