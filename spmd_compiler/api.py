@@ -9,6 +9,7 @@ The seed spelling ``compile(parallel_mode=...)(train_step)`` is the same thing.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import time
@@ -29,6 +30,8 @@ from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 from spmd_compiler.passes.fully_shard import ShardingError, expand_fully_shard
 from spmd_compiler.passes.replicate import expand_replicate
 
+from . import cache
+from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import DataParallel
 from .consistency import (
@@ -40,6 +43,7 @@ from .consistency import (
     agree_on_program,
     agreement_in_flight,
     await_agreement,
+    describe_graph,
     describe_program,
     exchange_objects,
     start_agreement,
@@ -77,7 +81,8 @@ class CompiledStep:
     def __init__(self, fn: Callable, parallel_mode: DataParallel, *, backend: str = "eager",
                  dump_dir: str | None = None,
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
-                 check_ranks: bool = True, retain_host_memory: bool = True):
+                 check_ranks: bool = True, retain_host_memory: bool = True,
+                 cache_dir: str | None = None):
         if not isinstance(parallel_mode, DataParallel):
             raise SPMDError(
                 f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
@@ -92,6 +97,7 @@ class CompiledStep:
         self.gm_transformation = gm_transformation
         self.check_ranks = check_ranks
         self.retain_host_memory = retain_host_memory
+        self.cache_dir = cache_dir
         # Every program compiled so far, in compile order. Every rank compiles together, so
         # program k is the same program on every rank (the per-call agreement relies on it).
         self._programs: list[CompiledGraph] = []
@@ -99,7 +105,8 @@ class CompiledStep:
         self._seen_shapes: dict[tuple[str, int], tuple[int, ...]] = {}
         self._dynamic: dict[tuple[str, int], set[int]] = {}
         self._last_key: tuple | None = None
-        self.compile_count = 0
+        self.compile_count = 0  # programs made ready: compiled, or loaded from the disk cache
+        self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
 
@@ -153,14 +160,22 @@ class CompiledStep:
     # -- compiling ----------------------------------------------------------------------------
 
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
-        """Build the graph, check that every rank built the same, then place the live state."""
+        """Build the graph (or load it from the disk cache), check that every rank has the same,
+        then place the live state."""
         group = mesh.get_group()
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._dims_to_trace_dynamic(sa, group)
+            disk_key, stored = self._load_program(sa, dynamic, group)
+        summary = None
         try:
-            gm, traced, guard_code, seconds, runnable = self._build(
-                sa, group.group_name, mesh.size(), key, dynamic, why)
-            description = describe_program(gm, sa, guard_code, traced.dynamic_dims)
+            if stored is not None:
+                traced, runnable, guard_code, seconds, graph, num_nodes = self._unpack(stored)
+                summary = stored.summary
+            else:
+                gm, traced, guard_code, seconds, runnable = self._build(
+                    sa, group.group_name, mesh.size(), key, dynamic, why)
+                graph, num_nodes = describe_graph(gm, guard_code), len(gm.graph.nodes)
+            description = describe_program(sa, graph, traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
         if self.check_ranks:
@@ -175,7 +190,8 @@ class CompiledStep:
         place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard")
         key = step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
-                              checks_ranks_inside=self.check_ranks and self.backend == "eager")
+                              checks_ranks_inside=self.check_ranks and self.backend == "eager",
+                              summary=summary)
         self._programs.append(entry)
         self._remember_input_shapes(sa, traced)
         self._last_key = key
@@ -190,11 +206,67 @@ class CompiledStep:
             write_summary(entry_summary(entry), dump_dir)
             write_summary(entry_summary(entry), self.dump_dir)  # the latest, at the top level
         _info(
-            "spmd_compiler: compiled %s (%s, %d nodes) in %.2fs",
-            self.__name__, self.parallel_mode.parallel_style, len(gm.graph.nodes),
-            self.last_compile_seconds,
+            "spmd_compiler: %s %s (%s, %d nodes) in %.2fs",
+            "loaded" if stored is not None else "compiled", self.__name__,
+            self.parallel_mode.parallel_style, num_nodes, self.last_compile_seconds,
         )
+        if stored is not None:
+            self.cache_hits += 1
+        elif disk_key is not None:
+            self._store_program(disk_key, sa, entry, runnable, graph, num_nodes)
         return entry
+
+    # -- the disk cache -----------------------------------------------------------------------
+
+    def _disk_cache(self) -> str | None:
+        """The program cache directory, if the cache applies to this step (eager backend, no
+        per-stage dumps, which need a real compile)."""
+        if self.backend != "eager" or self.dump_dir:
+            return None
+        return cache_dir_from(self.cache_dir)
+
+    def _load_program(self, sa: StepArgs, dynamic: dict[int, tuple[int, ...]], group):
+        """(key, stored program) from the disk cache: (None, None) without a cache; (key, None)
+        unless every rank found the program (all compile then, so none waits for another)."""
+        cache_dir = self._disk_cache()
+        if cache_dir is None:
+            return None, None
+        try:
+            disk_key = program_key(
+                fn=self.fn, sa=sa, dynamic_dims=dynamic, world_size=dist.get_world_size(group),
+                group_name=group.group_name, options=dict(
+                    mode=self.parallel_mode, backend=self.backend, check_ranks=self.check_ranks,
+                    gm_transformation=self.gm_transformation))
+            stored = cache.load(cache_dir, disk_key)
+        except Exception as e:  # noqa: BLE001 - the cache never stops a compile
+            log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
+            disk_key, stored = None, None
+        if self.check_ranks and dist.get_world_size(group) > 1:
+            found = torch.tensor([stored is not None], dtype=torch.int64)
+            dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
+            if not found.item():
+                stored = None
+        return disk_key, stored
+
+    @staticmethod
+    def _unpack(stored):
+        start = time.perf_counter()
+        traced, runnable = cache.unpack(stored)
+        seconds = {"loaded from cache": time.perf_counter() - start}
+        return traced, runnable, stored.guard_code, seconds, stored.graph_description, stored.num_nodes
+
+    def _store_program(self, disk_key: str, sa: StepArgs, entry: CompiledGraph, runnable,
+                       graph: dict, num_nodes: int) -> None:
+        if self.backend != "eager":
+            return
+        try:
+            program = cache.pack(disk_key, entry.traced, runnable, entry.guard_code, graph,
+                                 num_nodes, entry.stage_seconds, entry_summary(entry), cache.class_files(sa)
+                                 + [inspect.getsourcefile(self.fn) or ""])
+            if program is not None:
+                cache.store(self._disk_cache(), program)
+        except Exception as e:  # noqa: BLE001 - the cache never stops a step
+            log.info("spmd_compiler: program not cached (%s)", e)
 
     # -- dynamic sizes ------------------------------------------------------------------------
 
@@ -454,9 +526,12 @@ def analyze(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def entry_summary(entry: CompiledGraph):
-    """The visualize.Summary of a compiled graph."""
+    """The visualize.Summary of a compiled graph (of a program loaded from the disk cache: the
+    one made when it was compiled)."""
     from .visualize import summarize
 
+    if entry.traced.gm is None:
+        return entry.summary
     return summarize(entry.traced.gm, compile_times=entry.stage_seconds)
 
 
@@ -534,7 +609,7 @@ def _why(old: tuple, new: tuple) -> str:
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
                  dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True,
-                 retain_host_memory: bool = True):
+                 retain_host_memory: bool = True, cache_dir: str | None = None):
     """Decorator: compile a single-device training step for data parallelism.
 
     Args:
@@ -552,13 +627,18 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             returning it to the OS (glibc malloc settings, process-wide, set at the first
             compile; see ``runtime.retain_host_memory``). Saves re-faulting every step's
             activations and buckets; resident memory stays at the step's peak.
+        cache_dir: keep compiled programs in this directory (also ``SPMD_CACHE_DIR``), so a
+            restarted job or a second run loads them instead of compiling (eager backend;
+            ignored with ``dump_dir``). Keyed by everything the program depends on and checked
+            against the source files it was recorded from; see spmd_compiler/cache.py and
+            docs/user_guide.md.
     """
     mode = parallel_mode or DataParallel("replicate")
 
     def decorate(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
                             gm_transformation=gm_transformation, check_ranks=check_ranks,
-                            retain_host_memory=retain_host_memory)
+                            retain_host_memory=retain_host_memory, cache_dir=cache_dir)
 
     return decorate
 

@@ -154,10 +154,24 @@ def await_agreement() -> None:
             raise Redispatch(choice)
 
 
-def describe_program(gm: fx.GraphModule, sa: StepArgs, guard_code: str | None,
+def describe_graph(gm: fx.GraphModule, guard_code: str | None) -> dict[str, Any]:
+    """The part of ``describe_program`` read off the compiled graph."""
+    collectives = [
+        (str(n.target), tuple(n.meta["val"].shape) if hasattr(n.meta.get("val"), "shape") else ())
+        for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
+    ]
+    return {
+        "shape guards": guard_code,
+        "collective sequence": [(t, repr(shape)) for t, shape in collectives],
+        "graph": hashlib.sha1(gm.graph.python_code(root_module="self").src.encode()).hexdigest(),
+    }
+
+
+def describe_program(sa: StepArgs, graph: dict[str, Any],
                      dynamic_dims: dict[int, tuple[int, ...]] | None = None) -> dict[str, Any]:
-    """What must be equal across ranks, by name, in the order a difference is reported. Sizes
-    the program holds as symbols (batch dims, ``dynamic_dims``: leaf -> dims) are left out."""
+    """What must be equal across ranks, by name, in the order a difference is reported: the
+    step's arguments, then ``graph`` (``describe_graph``). Sizes the program holds as symbols
+    (batch dims, ``dynamic_dims``: leaf -> dims) are left out."""
     dynamic_dims = dynamic_dims or {}
     module = sa.module
     optimizers = [
@@ -177,10 +191,6 @@ def describe_program(gm: fx.GraphModule, sa: StepArgs, guard_code: str | None,
         repr(x) for j, x in enumerate(sa.leaves)
         if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
     ]
-    collectives = [
-        (str(n.target), tuple(n.meta["val"].shape) if hasattr(n.meta.get("val"), "shape") else ())
-        for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
-    ]
     return {
         "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
                        for n, p in module.named_parameters()],
@@ -190,9 +200,7 @@ def describe_program(gm: fx.GraphModule, sa: StepArgs, guard_code: str | None,
         "input structure": str(sa.spec),
         "inputs": inputs,
         "constants": constants,
-        "shape guards": guard_code,
-        "collective sequence": [(t, repr(shape)) for t, shape in collectives],
-        "graph": hashlib.sha1(gm.graph.python_code(root_module="self").src.encode()).hexdigest(),
+        **graph,
     }
 
 

@@ -227,6 +227,7 @@ class CompiledGraph:
     static_key: tuple
     stage_seconds: dict[str, float] = field(default_factory=dict)
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
+    summary: Any = None  # visualize.Summary of a program loaded from the disk cache
 
     def __post_init__(self):
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None

@@ -109,6 +109,8 @@ class TracedStep:
     # (leaf, dim, user line) of dims that were dynamic until the step tied them to a batch size;
     # traced static
     entangled: list[tuple[int, int, str]] = field(default_factory=list)
+    # Python files with code on the stack of any recorded node (what the recording depends on)
+    source_files: list[str] = field(default_factory=list)
     # per lifted hyperparameter: bound as a float64 0-d tensor (fused kernels) or a float
     hparam_tensors: list[bool] = field(default_factory=list)
     # (index, value) of hyperparameters the graph holds as constants: a call with another value
@@ -369,6 +371,7 @@ class _StepTracer(PythonKeyTracer):
         self._calls: dict[str, int] = {}
         self._formatted: dict[tuple, str] = {}
         self._skip = uninteresting_files()
+        self.code_seen: set = set()  # code objects on the stack of any recorded node
 
     def call_module(self, m, forward, args, kwargs):
         path = self._paths.get(id(m))
@@ -391,8 +394,10 @@ class _StepTracer(PythonKeyTracer):
 
     def _stack_trace(self, frame) -> str | None:
         frames = []
+        seen = self.code_seen
         while frame is not None:
             code = frame.f_code
+            seen.add(code)
             if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
                     and code.co_filename not in self._skip:
                 frames.append((code.co_filename, frame.f_lineno, code.co_name))
@@ -416,16 +421,28 @@ class _StepRecorder(_MakefxTracer):
                          _disable_torch_fn_metadata_mode=True)
         self._module = module
 
+    last_tracer: _StepTracer | None = None
+
     def _construct_modes_with_fx_tracer(self, fx_tracer):
-        self.fx_tracer = _StepTracer(self._module)
+        self.fx_tracer = self.last_tracer = _StepTracer(self._module)
         super()._construct_modes_with_fx_tracer(self.fx_tracer)
 
 
-def record(fn: Callable, module: torch.nn.Module) -> Callable[..., torch.fx.GraphModule]:
+def record(fn: Callable, module: torch.nn.Module, source_files: set[str] | None = None,
+           ) -> Callable[..., torch.fx.GraphModule]:
     """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
-    the path of the submodule of ``module`` they were recorded in."""
+    the path of the submodule of ``module`` they were recorded in. Adds to ``source_files`` every
+    Python file with code on the stack of a recorded node."""
     recorder = _StepRecorder(module)
-    return lambda *args: recorder.trace(fn, *args)
+
+    def run(*args):
+        try:
+            return recorder.trace(fn, *args)
+        finally:
+            if source_files is not None and recorder.last_tracer is not None:
+                source_files.update(c.co_filename for c in recorder.last_tracer.code_seen)
+
+    return run
 
 
 def _global_meta(t: torch.Tensor):
@@ -604,6 +621,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
 
     grad_nodes: dict[str, torch.fx.Node] = {}
     created: list[tuple[str, str]] = []
+    source_files: set[str] = set()
     out_info = {}
 
     counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
@@ -655,7 +673,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            gm = record(stateless_step, module)(
+            gm = record(stateless_step, module, source_files)(
                 *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
                 *fake_inputs,
             )
@@ -703,6 +721,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         dynamic_dims=dynamic_dims,
         static_sizes=_static_sizes(fake_inputs, shape_env),
         specialized_dims=_specialized_dynamic_dims(shape_env, fake_inputs, sa, dynamic_dims),
+        source_files=sorted(f for f in source_files if not f.startswith("<")),
         out_spec=out_info["spec"],
         out_constants=out_info["constants"],
         num_tensor_outputs=out_info["n"],
