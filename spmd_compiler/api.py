@@ -174,7 +174,7 @@ class CompiledStep:
             else:
                 gm, traced, guard_code, seconds, runnable = self._build(
                     sa, group.group_name, mesh.size(), key, dynamic, why)
-                graph, num_nodes = describe_graph(gm, guard_code), len(gm.graph.nodes)
+                graph, num_nodes = describe_graph(gm), len(gm.graph.nodes)
             description = describe_program(sa, graph, traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
@@ -233,8 +233,8 @@ class CompiledStep:
             return None, None
         try:
             disk_key = program_key(
-                fn=self.fn, sa=sa, dynamic_dims=dynamic, world_size=dist.get_world_size(group),
-                group_name=group.group_name, options=dict(
+                fn=self.fn, sa=sa, dynamic_dims=dynamic, rank=dist.get_rank(group),
+                world_size=dist.get_world_size(group), group_name=group.group_name, options=dict(
                     mode=self.parallel_mode, backend=self.backend, check_ranks=self.check_ranks,
                     gm_transformation=self.gm_transformation))
             stored = cache.load(cache_dir, disk_key)

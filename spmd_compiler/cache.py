@@ -7,7 +7,7 @@ Opt-in, as torch.compile's own whole-program cache: ``spmd_compile(..., cache_di
 **Key.** A program is stored under the sha256 of everything that decides what the compiler
 builds (``program_key``): this package's source and format, torch's and Python's versions, the
 world size, process group and device, the parallel mode with all its options, the backend and
-rank checks; the step function's code (with its defaults, closure and the globals it reads); the
+rank checks, the rank (each rank records the step at its own sizes); the step function's code (with its defaults, closure and the globals it reads); the
 model's structure (every submodule's class and non-tensor attributes, every parameter's and
 buffer's name, shape, dtype, requires_grad and placement, tied weights, train/eval); the
 optimizers (class, hyperparameters but the lifted learning rate, parameter groups, state
@@ -21,9 +21,9 @@ overwrites it. Code that ran during the recording but was never on the stack of 
 operation (a helper that only returns a Python value) is covered only through the files that
 called it.
 
-**Ranks.** Every rank looks its program up; unless every rank found it, every rank compiles
-(one all_reduce), so ranks never differ in whether they compiled. The programs are the same on
-every rank, so each rank writes the same bytes (atomically, by rename).
+**Ranks.** Every rank looks its own program up; unless every rank found its program, every rank
+compiles (one all_reduce), so ranks never differ in whether they compiled. Files are written
+atomically (a temporary file renamed over the target).
 
 **Bad files.** A file that cannot be read, fails its checksum, was written by another format or
 key, or does not describe a usable program is ignored with a log line; the step compiles.
@@ -91,13 +91,14 @@ def cache_dir_from(option: str | None) -> str | None:
 
 
 def program_key(*, fn: Callable, sa: StepArgs, dynamic_dims: dict[int, tuple[int, ...]],
-                options: dict[str, Any], world_size: int, group_name: str) -> str:
+                options: dict[str, Any], rank: int, world_size: int, group_name: str) -> str:
     """The sha256 (hex) of everything the compiled program depends on (see the module doc)."""
     fp = _Fingerprint()
     parts = {
         "format": (FORMAT, _package_hash()),
         "versions": (torch.__version__, torch.version.git_version, sys.version, platform.machine()),
-        "world": (world_size, group_name),
+        # a rank's program is recorded at its own sizes: it may differ from another rank's
+        "world": (rank, world_size, group_name),
         "options": fp.value(options),
         "global state": (str(torch.get_default_dtype()), torch.is_grad_enabled(),
                          torch.is_autocast_enabled("cpu"),

@@ -14,14 +14,14 @@ collectives do not depend on them. Two checks:
   before its first collective or state update; if the ranks chose another program, it stops
   there (``Redispatch``) and the step runs the chosen one;
 - per compile, ``agree_on_program``: ranks exchange a description of what they compiled (or the
-  error they hit) as pickled bytes in one all_reduce; any difference, or any rank's failure,
-  raises on every rank naming the ranks and the first difference.
+  error they hit) as pickled bytes in one all_reduce: the model, optimizer and batch structure
+  and the program's sequence of collectives (``describe_program``); any difference, or any
+  rank's failure, raises on every rank naming the ranks and the first difference.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import pickle
 import sys
 from typing import Any
@@ -154,17 +154,21 @@ def await_agreement() -> None:
             raise Redispatch(choice)
 
 
-def describe_graph(gm: fx.GraphModule, guard_code: str | None) -> dict[str, Any]:
-    """The part of ``describe_program`` read off the compiled graph."""
+def describe_graph(gm: fx.GraphModule) -> dict[str, Any]:
+    """The part of ``describe_program`` read off the compiled graph: what it communicates.
+
+    The rest of the graph may differ across ranks. Each rank records the step at its own
+    sizes, and a size-dependent branch or a size the trace specializes (a length whose
+    shifted targets are one long) gives that rank another computation, as each DDP rank runs its
+    own Python; what must not differ is the sequence of collectives, and it does not depend on
+    the sizes the program holds as symbols.
+    """
     collectives = [
-        (str(n.target), tuple(n.meta["val"].shape) if hasattr(n.meta.get("val"), "shape") else ())
+        (str(n.target), repr(tuple(n.meta["val"].shape)) if hasattr(n.meta.get("val"), "shape") else "()",
+         n.meta.get(meta.BUCKET))
         for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
     ]
-    return {
-        "shape guards": guard_code,
-        "collective sequence": [(t, repr(shape)) for t, shape in collectives],
-        "graph": hashlib.sha1(gm.graph.python_code(root_module="self").src.encode()).hexdigest(),
-    }
+    return {"collective sequence": collectives}
 
 
 def describe_program(sa: StepArgs, graph: dict[str, Any],

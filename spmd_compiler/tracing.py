@@ -505,17 +505,17 @@ def _dims_tied_to_batch(traced: "TracedStep", sa: StepArgs) -> list[tuple[int, i
     """(leaf, dim, user line) of dynamic dims whose size the trace tied to a batch size (their
     simplified sizes share a symbol): in the graph they would look batch-sharded."""
     env = traced.shape_env
-    batch_syms = set()
+    batch_syms, batch_made_with = set(), set()
     for fake, b in zip(traced.fake_inputs, sa.batch_dims):
         if b is not None:
             batch_syms |= _free_symbols(env, fake.shape[b])
+            batch_made_with |= _free_symbols(env, fake.shape[b], simplify=False)
     tied = []
     for fake, i in zip(traced.fake_inputs, sa.input_indices):
         for d in traced.dynamic_dims.get(i, ()):
-            syms = _free_symbols(env, fake.shape[d])
-            if syms & batch_syms:
+            if _free_symbols(env, fake.shape[d]) & batch_syms:
                 own = _free_symbols(env, fake.shape[d], simplify=False)
-                tied.append((i, d, env.where_replaced(own | (syms & batch_syms))))
+                tied.append((i, d, env.where_replaced(own | batch_made_with)))
     return tied
 
 
