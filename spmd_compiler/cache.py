@@ -52,6 +52,14 @@ from .tracing import StepArgs, TracedStep
 
 log = logging.getLogger("spmd_compiler")
 
+
+def _info(msg: str, *args) -> None:
+    """Log at INFO on rank 0 (every rank when SPMD_LOG_ALL_RANKS is set), as the compiler does."""
+    import torch.distributed as dist
+
+    if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(msg, *args)
+
 FORMAT = 1
 _MAGIC = b"spmd-compiler-program\n"
 
@@ -329,7 +337,7 @@ def pack(key: str, traced: TracedStep, runnable: torch.fx.GraphModule, guard_cod
     for name, obj in code.globals.items():
         ref = _global_ref(obj)
         if ref is None:
-            log.info("spmd_compiler: program not cached: %s (%r) in its code cannot be stored",
+            _info("spmd_compiler: program not cached: %s (%r) in its code cannot be stored",
                      name, obj)
             return None
         refs[name] = ref
@@ -338,19 +346,19 @@ def pack(key: str, traced: TracedStep, runnable: torch.fx.GraphModule, guard_cod
         if node.op == "get_attr":
             value = getattr(runnable, node.target)
             if not isinstance(value, torch.Tensor):
-                log.info("spmd_compiler: program not cached: attribute %s is a %s",
+                _info("spmd_compiler: program not cached: attribute %s is a %s",
                          node.target, type(value).__name__)
                 return None
             constants[node.target] = value.detach().clone()
         elif node.op == "call_module":
-            log.info("spmd_compiler: program not cached: it calls submodule %s", node.target)
+            _info("spmd_compiler: program not cached: it calls submodule %s", node.target)
             return None
     state = {name: getattr(traced, name) for name in _TRACED_FIELDS}
     try:
         state["out_spec"] = pytree.treespec_dumps(traced.out_spec)
         pickle.dumps(state)
     except Exception as e:  # noqa: BLE001 - not cacheable, compile as usual
-        log.info("spmd_compiler: program not cached: its outputs cannot be stored (%s)", e)
+        _info("spmd_compiler: program not cached: its outputs cannot be stored (%s)", e)
         return None
     return StoredProgram(
         key=key, dependencies=dependencies(traced.source_files + extra_files), code=code.src,
@@ -423,7 +431,7 @@ def load(cache_dir: str, key: str) -> StoredProgram | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        log.info("spmd_compiler: cache file %s unreadable (%s); compiling", path, e)
+        _info("spmd_compiler: cache file %s unreadable (%s); compiling", path, e)
         return None
     try:
         if not blob.startswith(_MAGIC):
@@ -441,11 +449,11 @@ def load(cache_dir: str, key: str) -> StoredProgram | None:
         if {f.name for f in fields(StoredProgram)} - set(vars(program)):
             raise ValueError("missing fields")
     except Exception as e:  # noqa: BLE001 - any bad file is ignored
-        log.info("spmd_compiler: cache file %s ignored (%s); compiling", path, e)
+        _info("spmd_compiler: cache file %s ignored (%s); compiling", path, e)
         return None
     stale = [f for f, digest in program.dependencies if file_hash(f) != digest]
     if stale:
-        log.info("spmd_compiler: cached program %s is stale (%s changed); compiling",
+        _info("spmd_compiler: cached program %s is stale (%s changed); compiling",
                  key[:12], ", ".join(stale[:3]))
         return None
     return program
@@ -463,4 +471,4 @@ def store(cache_dir: str, program: StoredProgram) -> None:
             f.write(payload)
         os.replace(tmp, path_for(cache_dir, program.key))
     except OSError as e:
-        log.info("spmd_compiler: could not write the program cache in %s (%s)", cache_dir, e)
+        _info("spmd_compiler: could not write the program cache in %s (%s)", cache_dir, e)
