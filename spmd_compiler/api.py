@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 
 from spmd_compiler.passes import batch_dim
 from spmd_compiler.passes.bucketing import bucket_collectives
@@ -99,7 +99,8 @@ class CompiledStep:
         self.retain_host_memory = retain_host_memory
         self.cache_dir = cache_dir
         # Every program compiled so far, in compile order. Every rank compiles together, so
-        # program k is the same program on every rank (the per-call agreement relies on it).
+        # program k exists on every rank and communicates the same on all of them (the per-call
+        # agreement relies on it).
         self._programs: list[CompiledGraph] = []
         # per (input structure, leaf): the shape at the last compile, and the dims traced dynamic
         self._seen_shapes: dict[tuple[str, int], tuple[int, ...]] = {}
@@ -469,7 +470,9 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None]
     run in place between the compiled regions.
     """
     if backend == "inductor":
-        return torch.compile(fused_kernels_outside_compile(gm), backend="inductor", dynamic=True)
+        compiled = fused_kernels_outside_compile(gm)
+        _LazyGraphModule.force_recompile(compiled)  # dynamo traces its generated forward
+        return torch.compile(compiled, backend="inductor", dynamic=True)
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     runnable = gather_into_preallocated(reduce_in_place(_make_graph_module(gm, graph)))

@@ -1,13 +1,14 @@
-"""Cross-rank agreement: every rank must run the same compiled program, or all of them raise.
+"""Cross-rank agreement: every rank must run a program that communicates the same, or all of
+them raise.
 
-Ranks that disagree (another model, optimizer config, batch structure, a branch taken on one rank
-only) would otherwise enter mismatched collectives and hang or compute garbage. Ranks may differ
-in the sizes the program holds as symbols (the local batch size, a dynamic sequence length); the
-collectives do not depend on them. Two checks:
+Ranks that disagree (another model, optimizer config, batch structure, a branch that changes
+what a rank communicates) would otherwise enter mismatched collectives and hang or compute
+garbage. Ranks may differ in the sizes the program holds as symbols (the local batch size, a
+dynamic sequence length); the collectives do not depend on them. Two checks:
 
 - per call, ``agree_on_call``: one small all_reduce of every rank's (status, local batch size,
   which compiled programs fit its inputs). Every compile happens on every rank together, so
-  program ``k`` is the same program on all ranks; all ranks run the newest program that fits
+  program ``k`` exists on all ranks; all ranks run the newest program that fits
   every rank's inputs, or, if none does, all of them compile a new one (one rank's new sequence
   length makes every rank recompile, never only one). A rank running a cached eager program only
   issues the exchange (``start_agreement``) and the program awaits it (``await_agreement``)

@@ -3,8 +3,9 @@ aten-level FX graph.
 
 The module is reparametrized with fake parameters and buffers, the optimizer's ``param_groups``
 and ``state`` are rebound to fake tensors, and ``make_fx`` records everything the step does,
-including ``loss.backward()`` and ``optim.step()``. Only the batch dim of each input is symbolic,
-so one graph serves every batch size the ShapeEnv's guards allow.
+including ``loss.backward()`` and ``optim.step()``. The batch dim of each input is symbolic, and
+so are the other dims the caller names (``dynamic_dims``, e.g. a sequence length), so one graph
+serves every size the ShapeEnv's guards allow.
 
 Placeholders come in a fixed order: parameters (unique, tied weights once), buffers, optimizer
 state tensors, lifted hyperparameters (``lr`` of each param group, as a SymFloat), batch leaves.
@@ -77,7 +78,7 @@ class StepArgs:
     dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def leaf_name(self, i: int) -> str:
-        """How the user would name argument leaf ``i``: ``batch[1]``-style paths."""
+        """How the user would name argument leaf ``i`` (``argument 2[0]``, ``keyword argument 'x'``)."""
         paths = [p for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(
             list(range(len(self.leaves))), self.spec))[0]]
         path = paths[i]
