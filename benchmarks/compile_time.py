@@ -354,7 +354,7 @@ def markdown(res: dict, cfg: dict) -> str:
               f"{cfg['steps']} steps of the depth-2 model; every rank pads each of its batches to "
               "its own longest sequence, so lengths change every step and differ across ranks "
               "(drawn from 8..64). Total time includes every compile; the steady step is the "
-              "median of the last 10. max |diff| is the largest difference of any final "
+              "median of the last 10 steps (where every new length compiles, so is it). max |diff| is the largest difference of any final "
               "parameter from DDP trained on the same batches (with dropout drawn from the same "
               "seed); with `fuse_optimizer=False` the step runs the AdamW kernel DDP runs, and "
               "the fused kernel's round-off is the only difference.", "",
@@ -380,6 +380,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="explain runs per figure (fastest kept)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "compile_time.json"))
     parser.add_argument("--md", default=str(ROOT / "docs" / "compile_time.md"))
+    parser.add_argument("--render", action="store_true",
+                        help="only rewrite the page from the JSON file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--payload", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -387,6 +389,10 @@ def main(argv=None) -> None:
         payload = json.loads(args.payload)
         result = worker_explain(**payload) if args.worker == "explain" else worker_ranks(payload)
         print("RESULT " + json.dumps(result), flush=True)
+        return
+    if args.render:
+        data = json.loads(Path(args.json).read_text())
+        Path(args.md).write_text(markdown(data["results"], data["config"]))
         return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
