@@ -18,7 +18,7 @@ sizes of the others; non-tensor arguments; torch's default dtype and grad/autoca
 compiler recorded the step, and the files of the model's and optimizer's classes, each with its
 content hash. A file whose sources changed since is stale: it is ignored, and the recompile
 overwrites it. Code that ran during the recording but was never on the stack of a recorded
-operation (a helper that only returns a Python value) is covered only through the files that
+operation (a function that only returns a Python value) is covered only through the files that
 called it.
 
 **Ranks.** Every rank looks its own program up; unless every rank found its program, every rank
