@@ -51,6 +51,15 @@ class DataParallel:
             DTensor placed like the parameter (``Shard(0)`` under fully_shard, as FSDP2). Costs
             one gradient-sized tensor per parameter (1/world of it sharded) held between steps;
             ``False`` (default) frees the gradients inside the step.
+        dynamic_dims: non-batch dims to compile as symbolic sizes from the first call on (a
+            sequence length), so one program serves every size: an int for every batched input,
+            or a pytree shaped like the batch of ints/None (one dim per input; for several, or
+            instead, ``torch._dynamo.mark_dynamic(tensor, dims)`` on the input). Ranks may pass
+            different sizes in these dims, as in the batch dim.
+        automatic_dynamic: like torch.compile's automatic dynamic shapes: a dim whose size
+            changed since the last compile is compiled as a symbolic size on the recompile, so
+            a new length compiles once more and then never again. A dim that differs across
+            ranks is always compiled as a symbolic size on every rank.
     """
 
     parallel_style: str = "replicate"
@@ -65,6 +74,8 @@ class DataParallel:
     split_optimizer: bool = True
     overlap: bool = True
     keep_grads: bool = False
+    dynamic_dims: Any = None
+    automatic_dynamic: bool = True
 
     def __post_init__(self):
         if self.parallel_style not in _STYLES:

@@ -1084,7 +1084,7 @@ DISAGREEMENTS = {
     "model": "parameters",
     "optimizer": "optimizer",
     "batch structure": "input structure",
-    "labels dtype": "need to recompile",
+    "labels dtype": "inputs",
 }
 
 
