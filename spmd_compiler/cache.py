@@ -150,8 +150,9 @@ def _module_structure(module: torch.nn.Module, fp: _Fingerprint) -> list:
     first_name: dict[int, str] = {}
     out = []
     for name, m in module.named_modules(remove_duplicate=False):
-        attrs = {k: fp.value(v) for k, v in vars(m).items()
-                 if k not in ("_parameters", "_buffers", "_modules")}
+        attrs = {k: fp.value(_hooks(v) if "hook" in k and isinstance(v, dict) else v)
+                 for k, v in vars(m).items()
+                 if k not in ("_parameters", "_buffers", "_modules", "_spmd_eager")}
         out.append((name, _qualname(type(m)), attrs))
     for kind, named in (("param", module.named_parameters(remove_duplicate=False)),
                         ("buffer", module.named_buffers(remove_duplicate=False))):
@@ -161,6 +162,14 @@ def _module_structure(module: torch.nn.Module, fp: _Fingerprint) -> list:
             out.append((kind, name, tied, tuple(t.shape), str(t.dtype), t.device.type,
                         t.requires_grad, placement))
     return out
+
+
+def _hooks(hooks: dict) -> list:
+    """A module's hooks in order, without their handle ids (a process-wide counter) and without
+    the hooks that let the placed model run outside the compiled step (spmd_compiler.eager)."""
+    from . import eager
+
+    return [v for v in hooks.values() if getattr(v, "__module__", None) != eager.__name__]
 
 
 def _optimizer_structure(opt: torch.optim.Optimizer, module: torch.nn.Module, fp: _Fingerprint):
@@ -176,7 +185,8 @@ def _optimizer_structure(opt: torch.optim.Optimizer, module: torch.nn.Module, fp
         (names.get(id(p), "?"), sorted((k, (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                                         else fp.value(v)) for k, v in st.items()))
         for p, st in opt.state.items())
-    hooks = {k: fp.value(v) for k, v in vars(opt).items() if "hook" in k}
+    hooks = {k: fp.value(_hooks(v) if isinstance(v, dict) else v)
+             for k, v in vars(opt).items() if "hook" in k}
     return (_qualname(type(opt)), fp.value(opt.defaults), groups, state, hooks)
 
 
@@ -276,10 +286,10 @@ def _code_digest(code: types.CodeType) -> str:
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
-    if t.is_meta or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    if t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):  # fake, DTensor, ...
         return "unreadable"
-    data = t.detach().cpu().contiguous()
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(bytes(data.tolist())).hexdigest()
 
 
 def _qualname(obj) -> str:
