@@ -6,6 +6,7 @@ world size 2 (see docs/benchmarks.md for the measured figures).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,8 +50,14 @@ class ModelSpec:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     batch: int
     optim: OptimConfig = field(default_factory=OptimConfig)
-    blocks: tuple[type, ...] = ()
+    blocks: tuple[type | str, ...] = ()  # FSDP2 wraps these (classes, or class names)
     speed: bool = True  # run by default by benchmarks.run (the memory workloads are not)
+
+    def is_block(self, module: nn.Module) -> bool:
+        """Whether FSDP2 wraps ``module`` on its own: an instance of a class in ``blocks``, or of a
+        class named there (for models from an optional library, imported only when built)."""
+        return any(isinstance(module, b) if isinstance(b, type) else type(module).__name__ == b
+                   for b in self.blocks)
 
 
 def make_train_step(loss_fn):
@@ -196,6 +203,69 @@ def _gpt_batch(gen: torch.Generator, b: int, cfg: GPTConfig = GPTConfig()) -> Ba
 
 def _lm_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# --- GPT on nn.MultiheadAttention ------------------------------------------------------------
+
+
+class MHABlock(nn.Module):
+    """Pre-LN block whose attention is ``nn.MultiheadAttention`` with a causal float mask (the
+    module detects it is causal by comparing it with its own causal mask)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = nn.MultiheadAttention(cfg.dim, cfg.heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
+        )
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class MHAGPT(nn.Module):
+    """The GPT above with ``nn.MultiheadAttention`` blocks."""
+
+    def __init__(self, cfg: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos = nn.Embedding(cfg.seq, cfg.dim)
+        self.blocks = nn.ModuleList([MHABlock(cfg) for _ in range(cfg.layers)])
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln_f(x))
+
+
+# --- Hugging Face Llama (transformers, built from a config object) ----------------------------
+
+
+def hf_llama() -> nn.Module:
+    """A Llama of the GPT's size (4 layers, dim 128, 4 heads with 2 key/value heads, vocab 2048)
+    from ``transformers.LlamaConfig``: nothing is downloaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = GPTConfig()
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.dim, intermediate_size=4 * cfg.dim,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=2,
+        max_position_embeddings=cfg.seq))
+
+
+def _hf_lm_loss(out, targets):
+    return _lm_loss(out.logits, targets)
 
 
 # --- ConvNeXt (shared/seeds/000) --------------------------------------------------------------
@@ -351,6 +421,24 @@ MODELS: dict[str, ModelSpec] = {
             _lm_loss,
             batch=8,
             blocks=(GPTBlock,),
+        ),
+        ModelSpec(
+            "gpt_mha",
+            "GPT as above on nn.MultiheadAttention (batch_first, causal float mask)",
+            MHAGPT,
+            _gpt_batch,
+            _lm_loss,
+            batch=8,
+            blocks=(MHABlock,),
+        ),
+        ModelSpec(
+            "hf_llama",
+            "Hugging Face LlamaForCausalLM, GPT's size (4 layers, dim 128, 2 KV heads), SDPA",
+            hf_llama,
+            _gpt_batch,
+            _hf_lm_loss,
+            batch=8,
+            blocks=("LlamaDecoderLayer",),
         ),
         ModelSpec(
             "convnext",

@@ -76,7 +76,7 @@ def param_bytes(module: nn.Module) -> int:
 def _unsharded_root_bytes(spec: ModelSpec, model: nn.Module) -> int:
     """Bytes of parameters outside every FSDP2 block (kept gathered from forward to backward)."""
     in_blocks = {
-        id(p) for m in model.modules() if isinstance(m, spec.blocks) for p in m.parameters()
+        id(p) for m in model.modules() if spec.is_block(m) for p in m.parameters()
     }
     return sum(
         p.numel() * p.element_size()
@@ -137,7 +137,7 @@ def _prepare_fsdp2(spec: ModelSpec, world_size: int) -> Runner:
 
     mesh = init_device_mesh("cpu", (world_size,))
     model = spec.build()
-    for block in [m for m in model.modules() if isinstance(m, spec.blocks) and m is not model]:
+    for block in [m for m in model.modules() if spec.is_block(m) and m is not model]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = spec.optim.build(model.parameters())

@@ -1,31 +1,43 @@
 """Batch-dim analysis: placement propagation on symbolic shapes.
 
 ``annotate_placements(gm)`` labels every tensor in a traced training step with how it is laid out
-across data-parallel ranks, as a DTensor placement:
+across data-parallel ranks, as a DTensor placement. The analysis **describes**; it never refuses a
+program that DDP runs: under DDP every rank runs the same local program on its own batch and only
+gradients and buffers cross ranks, so no placement inside the step can make the program wrong.
 
-- ``Shard(d)``: batch-sharded along dim d. Exact on symbolic shapes: dim d is sharded iff its size
-  expression (after the ShapeEnv's replacements) contains a batch symbol, i.e. the symbol of an
-  input's batch dim. A tensor may hold the symbol in one dim only, and only as the outermost factor
-  of that dim.
+- ``Shard(d)``: batch-sharded along dim d: the ranks' tensors concatenated along d make the tensor
+  of the whole (global) batch. Dim d is batch-sharded iff its size expression (after the ShapeEnv's
+  replacements) contains a batch symbol: the symbol of an input's batch dim, or an unbacked size
+  (``nonzero``, boolean masks) that an op computed from batch-sharded data.
+- ``_StridedShard(d, split_factor=k)``: an interleaved batch shard, as DTensor names it: dim d is
+  ``k`` chunks, each sharded over the ranks. A reshape that puts the batch inside a dim
+  (``(T, B, E) -> (T*B, E)`` in ``nn.MultiheadAttention`` and ``nn.LSTM``) gives ``k = T``; the
+  factor is followed through reshapes from the input shapes, so it stays exact when T is symbolic.
 - ``Replicate()``: the same on every rank (parameters, buffers, optimizer state, constants, values
   computed only from those).
-- ``Partial("avg")``: a rank-local value computed from the local batch by an op that treats the
-  batch samples symmetrically (sum, mean, contractions, losses, norms, batch-norm statistics, weight
-  gradients); the data-parallel step means its average over the ranks. Every value computed from a
+- ``Partial("avg")``: a rank-local value without a batch dim computed from the local batch (a loss,
+  a sum or statistic over the batch, a weight gradient, a sample picked from the batch); the
+  data-parallel step means its average over the ranks. Every value computed from a
   ``Partial("avg")`` stays ``Partial("avg")`` until an ``all_reduce`` makes it ``Replicate()``.
+
+Local positions are what DDP computes: ``arange(b)``, ``logits[arange(b), labels]``, gathers,
+scatters and sorts along the batch number each rank's own samples; their results are described like
+any other batch-shaped value.
 
 On a fully_shard-expanded graph a placeholder that already carries ``Shard(k)`` on a static dim is a
 stored parameter/state shard; elementwise optimizer math keeps it, and a reduction over it is a
-``Partial`` with DTensor's reduce op (``sum``, ``max``, ``min``, or DTensor's ``_NormPartial``).
+``Partial`` with DTensor's reduce op (``sum``, ``max``, ``min``, or DTensor's ``_NormPartial``),
+which the expansion must all-reduce before anything else reads it.
 
-Anything no rule explains raises ``BatchDimError`` naming the node, the op and the user's source
-line. docs/batch_dim.md lists the rules and the ops.
+``BatchDimError`` is raised only where the expanded program would be wrong or the graph cannot be
+read: a parameter-shard reduction used before its all_reduce, parameter shards mixed with batch
+data or used by an op that sharding changes, a collective over batch data, a non-aten node, an
+input batch dim that is out of range or static. docs/batch_dim.md lists the rules.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from math import prod
 from typing import Any
 
@@ -33,7 +45,13 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.distributed.tensor._ops._math_ops import _NormPartial
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 from torch.fx.operator_schemas import normalize_function
 
 from .meta import INPUT_BATCH_DIM, PLACEMENT, ROLE, Role
@@ -50,48 +68,9 @@ _FACTORIES = frozenset({
     "new_empty", "new_empty_strided", "zero_", "fill_", "uniform_", "normal_", "bernoulli_",
     "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
 })
-# Factories whose values depend on the position along a dim: along the batch they would number
-# the local samples, not the global ones.
-_POSITIONAL_FACTORIES = frozenset({"arange", "randperm", "linspace", "logspace", "eye"})
 
-# Ops that, given batch-sharded inputs, may produce a tensor without the batch dim: they treat the
-# batch samples symmetrically (sums, contractions, statistics, losses, scatter-adds), so the result
-# is rank-local and means its average over the ranks: Partial("avg").
-_BATCH_REDUCTIONS = frozenset({
-    # reductions
-    "sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "aminmax", "norm",
-    "linalg_vector_norm", "var", "std", "var_mean", "std_mean", "prod", "logsumexp",
-    "count_nonzero",
-    # contractions
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "dot", "vdot", "mv", "addmv", "addr",
-    "tensordot", "convolution_backward", "_convolution_double_backward",
-    # normalization statistics and their parameter gradients
-    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-    "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
-    "_batch_norm_with_update_functional", "native_batch_norm_backward", "batch_norm_backward",
-    "native_layer_norm_backward", "native_group_norm_backward", "batch_norm_stats",
-    # embedding and scatter-add gradients
-    "embedding_dense_backward", "embedding_backward", "_embedding_bag_backward",
-    "_embedding_bag_dense_backward", "_embedding_bag_per_sample_weights_backward",
-    "index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-    "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put",
-    # losses
-    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss_forward",
-    "nll_loss2d_forward", "nll_loss", "nll_loss_nd", "cross_entropy_loss", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss", "multi_margin_loss",
-    "multilabel_margin_loss_forward", "margin_ranking_loss", "hinge_embedding_loss",
-    "cosine_embedding_loss", "poisson_nll_loss", "triplet_margin_loss", "_ctc_loss",
-})
-# Reductions whose integer outputs are positions along the reduced dim (not symmetric).
-_INDEX_RETURNING = frozenset({
-    "max", "min", "median", "nanmedian", "mode", "kthvalue", "sort", "topk", "cummax", "cummin",
-})
-# Scatter-style reductions given as index_put(..., accumulate): only accumulate=True is a sum.
-_ACCUMULATE = frozenset({"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"})
-# Advanced indexing (reads and writes) with a list of index tensors, one per indexed dim.
-_INDEXING = _ACCUMULATE | {"index", "_unsafe_index"}
-
-# Reshapes: the batch dim may be merged/split only with dims inside it (outer prefix unchanged).
+# Reshapes: the row-major order of the elements is unchanged, so the batch factor keeps its
+# position in the flattened index (see _Analysis.reshaped).
 _RESHAPES = frozenset({
     "view", "_unsafe_view", "reshape", "_reshape_alias", "flatten", "unflatten", "squeeze",
     "squeeze_", "unsqueeze", "unsqueeze_", "view_copy", "_reshape_copy",
@@ -102,27 +81,13 @@ _IDENTITIES = frozenset({
     "native_dropout", "native_dropout_backward", "_foreach_copy_",
 })
 
-
-# Ops that mix values along a dim argument; along the batch dim they would depend on where each
-# sample sits in its rank's local batch (a softmax over the batch, a flip, a gather): op name ->
-# (tensor argument, dim argument), as named by torch.fx.operator_schemas.normalize_function.
-_MIXES_ALONG = {
-    **dict.fromkeys(
-        ["_softmax", "_log_softmax", "cumsum", "cumsum_", "cumprod", "logcumsumexp", "cummax",
-         "cummin", "sort", "topk", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_",
-         "scatter_reduce", "scatter_reduce_", "index_select", "index_fill", "index_copy",
-         "index_add", "index_add_", "diff"], ("input", "dim")),
-    "_softmax_backward_data": ("grad_output", "dim"),
-    "_log_softmax_backward_data": ("grad_output", "dim"),
-    "flip": ("input", "dims"),
-    "roll": ("input", "dims"),  # no dims: rolls the flattened tensor
-}
-
 _COLLECTIVE_NS = "_c10d_functional"
+
+_BatchShard = (Shard, _StridedShard)
 
 
 class BatchDimError(Exception):
-    """A node whose placement no batch-dim rule explains.
+    """A node whose placement makes the expanded program wrong, or that cannot be analyzed.
 
     Attributes: ``node`` (the node's name), ``op`` (its target as a string), ``stack_trace`` (the
     user's source lines recorded by the tracer, or None) and ``reason``.
@@ -135,13 +100,6 @@ class BatchDimError(Exception):
         self.reason = reason
         where = self.stack_trace.strip() if self.stack_trace else "(no source line recorded)"
         super().__init__(f"batch-dim analysis: node {self.node} ({self.op}): {reason}\n{where}")
-
-
-@dataclass(frozen=True)
-class _Unusable:
-    """An output of a multi-output op that has no placement; using it raises ``reason``."""
-
-    reason: str
 
 
 def _is_tensor(v) -> bool:
@@ -158,13 +116,16 @@ def _fail(node: fx.Node, reason: str):
     raise BatchDimError(node, reason)
 
 
-def _arguments(node: fx.Node) -> dict[str, Any]:
-    """The node's arguments by schema name (``self`` is called ``input``), defaults filled in."""
+def _arguments(node: fx.Node) -> dict[str, Any] | None:
+    """The node's arguments by schema name (``self`` is called ``input``), defaults filled in;
+    None when they do not match the schema."""
     normalized = normalize_function(node.target, node.args, node.kwargs,
                                     normalize_to_only_use_kwargs=True)
-    if normalized is None:
-        _fail(node, "cannot match the node's arguments to its schema")
-    return normalized.kwargs
+    return None if normalized is None else normalized.kwargs
+
+
+def _split_factor(p: Placement):
+    return p.split_factor if isinstance(p, _StridedShard) else 1
 
 
 class _Analysis:
@@ -172,6 +133,9 @@ class _Analysis:
 
     def __init__(self, gm: fx.GraphModule):
         self.batch_syms: set[sympy.Symbol] = set()
+        # unbacked sizes read from rank-local values (``loss.item()``): sizes that differ per rank
+        self.local_syms: set[sympy.Symbol] = set()
+        self.shape_env = None
         self.env: dict[fx.Node, Any] = {}  # node -> placement of the value it defines
         self.current: dict[fx.Node, Placement] = {}  # mutated node -> placement after mutation
         for node in gm.graph.find_nodes(op="placeholder"):
@@ -189,6 +153,7 @@ class _Analysis:
         if not isinstance(size, torch.SymInt):
             _fail(node, f"the input's batch dim {d} has static size {size}; it must be traced as a "
                         "dynamic size (a batch of size 0 or 1 is specialized by the tracer)")
+        self.shape_env = size.node.shape_env
         syms = self._expr(size).free_symbols
         if not syms:
             _fail(node, f"the input's batch size was specialized to {self._expr(size)}")
@@ -201,24 +166,50 @@ class _Analysis:
             return size.node.shape_env.simplify(size.node.expr)
         return sympy.Integer(size)
 
-    def _has_batch(self, size) -> bool:
-        if not isinstance(size, torch.SymInt):
-            return False
-        return bool(self._expr(size).free_symbols & self.batch_syms)
+    def _canonical(self, expr: sympy.Expr) -> sympy.Expr:
+        return self.shape_env.simplify(expr) if self.shape_env is not None else expr
+
+    def _syms(self, size) -> set:
+        return self._expr(size).free_symbols if isinstance(size, torch.SymInt) else set()
 
     def batch_dims(self, val: torch.Tensor) -> list[int]:
-        return [i for i, s in enumerate(val.shape) if self._has_batch(s)]
+        return [i for i, s in enumerate(val.shape) if self._syms(s) & self.batch_syms]
+
+    def _is_local_shape(self, val: torch.Tensor) -> bool:
+        return any(self._syms(s) & self.local_syms for s in val.shape)
 
     def is_batch_shard(self, val, p) -> bool:
-        return isinstance(p, Shard) and self._has_batch(val.shape[p.dim])
+        return isinstance(p, _BatchShard) and bool(self._syms(val.shape[p.dim]) & self.batch_syms)
 
-    def _outermost_ok(self, size) -> bool:
-        """Whether a batch dim's size is (batch symbol) x (batch-free factor)."""
-        expr = self._expr(size)
-        return any(
-            not (sympy.expand(expr / s).free_symbols & self.batch_syms)
-            for s in expr.free_symbols & self.batch_syms
-        )
+    def _bind_unbacked(self, node: fx.Node, ins) -> None:
+        """Unbacked sizes the node computes (``nonzero``, a boolean mask, ``item``) from batch data
+        are batch sizes: the selected samples or tokens are each rank's own. From other rank-local
+        values they are rank-local sizes; from replicated values, ordinary sizes."""
+        bound = node.meta.get("unbacked_bindings") or {}
+        if not bound:
+            return
+        if self.shape_env is None:
+            mode = torch._guards.detect_fake_mode(node.meta.get("val"))
+            self.shape_env = getattr(mode, "shape_env", None)
+        syms = set().union(*(self._canonical(s).free_symbols for s in bound))
+        if any(self.is_batch_shard(v, p) for v, p in ins):
+            self.batch_syms |= syms
+        elif any(not isinstance(p, Replicate) for _, p in ins):
+            self.local_syms |= syms
+
+    def strided(self, dim: int, factor: sympy.Expr) -> Placement:
+        """``Shard(dim)`` for a factor of 1, else ``_StridedShard(dim, split_factor=factor)``; a
+        symbolic factor stays a SymInt (DTensor's constructor would pin it to its current value
+        with a runtime assert in the ShapeEnv)."""
+        factor = sympy.expand(factor)
+        if factor == 1:
+            return Shard(dim)
+        if factor.is_Integer:
+            return _StridedShard(dim, split_factor=int(factor))
+        hint = int(self.shape_env.optimization_hint(factor, fallback=1))  # adds no guard
+        p = _StridedShard(dim, split_factor=hint)
+        p._symbolic_split_factor = self.shape_env.create_symintnode(factor, hint=hint)
+        return p
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -246,36 +237,24 @@ class _Analysis:
             _fail(node, f"a {node.op} node: only aten-level graphs (call_function) are analyzed")
         if node.target is operator.getitem:
             parent = self.env.get(node.args[0])
-            p = parent[node.args[1]] if isinstance(parent, list) else None
-            if isinstance(p, _Unusable):
-                _fail(node.args[0], p.reason)  # the op that produced the unusable output
-            return p
+            return parent[node.args[1]] if isinstance(parent, list) else None
         name = _op_name(node.target)
         val = node.meta.get("val")
         if getattr(node.target, "namespace", None) == _COLLECTIVE_NS:
             return self.collective(node, name, val)
         if name.startswith(("_foreach_", "_fused_")):
             return self.per_index(node, name, val)
-        if name in ("_local_scalar_dense", "item"):
-            for v, p in self.inputs(node, node.args):
-                if not isinstance(p, Replicate):
-                    _fail(node, f"reads a {p} tensor into a Python number: the value differs "
-                                "across ranks and would steer the step differently on each")
-            return None
         if name.endswith("_like") and name in _FACTORIES and _is_tensor(val):
             src = self.inputs(node, node.args[:1])[0]
             if isinstance(src[1], Shard) and not self.is_batch_shard(*src):
                 return src[1]  # a fresh tensor like a parameter shard is a shard of that tensor
-        ins = self.inputs(node, self._value_args(node, name))
+        ins = self.inputs(node, (node.args, node.kwargs))
+        self._bind_unbacked(node, ins)
         if _is_tensor(val):
-            p = self.output(node, name, val, ins, None)
-            if isinstance(p, _Unusable):
-                _fail(node, p.reason)
-            return p
+            return self.output(node, name, val, ins)
         if isinstance(val, (list, tuple)) and any(_is_tensor(v) for v in val):
-            return [self.output(node, name, v, ins, i) if _is_tensor(v) else None
-                    for i, v in enumerate(val)]
-        return None
+            return [self.output(node, name, v, ins) if _is_tensor(v) else None for v in val]
+        return None  # a Python number (sym_size, item) or nothing
 
     def record_mutations(self, node: fx.Node) -> None:
         """An in-place op gives the tensors it writes a new placement for their later readers."""
@@ -295,118 +274,96 @@ class _Analysis:
                 self.current.update(zip(value, per_index))
                 continue
             if ins is None:
-                ins = self.inputs(node, self._value_args(node, name))
+                ins = self.inputs(node, (node.args, node.kwargs))
             for written in value if isinstance(value, (list, tuple)) else [value]:
-                p = self.output(node, name, written.meta["val"], ins, None)
-                if isinstance(p, _Unusable):
-                    _fail(node, p.reason)
-                self.current[written] = p
-
-    def _value_args(self, node: fx.Node, name: str):
-        """The arguments whose values the result depends on."""
-        if name in _FACTORIES:
-            return ()
-        if name == "copy_":  # the destination is overwritten
-            return (node.args[1:], node.kwargs)
-        return (node.args, node.kwargs)
+                self.current[written] = self.output(node, name, written.meta["val"], ins)
 
     def placeholder(self, node: fx.Node):
         val = node.meta.get("val")
         if not _is_tensor(val):
             return None
-        dims = self.batch_dims(val)
         if node.meta.get(ROLE) == Role.INPUT and node.meta.get(INPUT_BATCH_DIM) is not None:
-            d = node.meta[INPUT_BATCH_DIM] % val.dim()
-            if dims != [d]:
-                _fail(node, f"input of shape {tuple(val.shape)} has the batch size in dims {dims}; "
-                            f"expected it in its batch dim {d} only")
-            return Shard(d)
-        if dims:
-            _fail(node, f"{node.meta.get(ROLE)} placeholder of shape {tuple(val.shape)} has a "
-                        "batch-sized dim but is not a batched input")
+            return Shard(node.meta[INPUT_BATCH_DIM] % val.dim())
         stored = node.meta.get(PLACEMENT)
         stateful = node.meta.get(ROLE) in (Role.PARAM, Role.BUFFER, Role.OPT_STATE)
         if isinstance(stored, Shard) and stateful:
             return stored  # a stored parameter/state shard (fully_shard expansion)
         return Replicate()
 
-    def output(self, node, name, out, ins, position):
+    def output(self, node, name, out, ins):
         """The placement of one tensor result ``out`` of ``node`` from its inputs' placements."""
         if name == "pow" and len(ins) == 1 and isinstance(ins[0][1], _NormPartial):
-            if _arguments(node)["exponent"] == ins[0][1].norm_type:  # |shard|_p ** p: a sum
-                return Partial("sum")
+            args = _arguments(node)
+            if args is not None and args["exponent"] == ins[0][1].norm_type:
+                return Partial("sum")  # |shard|_p ** p: a sum over the shards
         for _, p in ins:
             if isinstance(p, Partial) and p != AVG:
                 _fail(node, f"an input is {p} over parameter shards; it needs its all_reduce "
                             f"before {name}")
-        dims = self.batch_dims(out)
         batch_ins = [(v, p) for v, p in ins if self.is_batch_shard(v, p)]
-        if len(dims) > 1:
-            _fail(node, f"result of shape {tuple(out.shape)} has the batch size in dims {dims}; "
-                        "a tensor can be sharded along one batch dim only (e.g. an outer product "
-                        "of the batch with itself)")
+        param_shards = [(v, p) for v, p in ins if isinstance(p, Shard) and not self.is_batch_shard(v, p)]
+        dims = self.batch_dims(out)
         if dims:
-            d = dims[0]
-            if not self._outermost_ok(out.shape[d]):
-                _fail(node, f"dim {d} of the result {tuple(out.shape)} has size "
-                            f"{self._expr(out.shape[d])}: not (batch size) x (a batch-free "
-                            "factor); slicing, padding or concatenating along the batch dim is "
-                            "not covered")
-            if any(isinstance(p, Shard) and not self.is_batch_shard(v, p) for v, p in ins):
-                _fail(node, "mixes batch-sharded data with parameter shards")
-            self.check_shard(node, name, out, d, batch_ins)
-            return Shard(d)
-        if batch_ins:
-            return self.reduction_over_batch(node, name, out, batch_ins, position)
-        shards = [(v, p) for v, p in ins if isinstance(p, Shard)]
-        if shards:
+            if param_shards:
+                _fail(node, "mixes batch-sharded data with parameter shards: a parameter must "
+                            "be all-gathered before it meets the batch")
+            return self.batch_placement(node, name, out, dims, batch_ins)
+        if param_shards:
             if any(isinstance(p, Partial) for _, p in ins):
                 _fail(node, "mixes parameter shards with Partial values")
             return self.param_shard(node, name, out, ins)
-        if any(isinstance(p, Partial) for _, p in ins):
-            return AVG
+        if name in _FACTORIES:  # values independent of the inputs
+            return AVG if self._is_local_shape(out) else Replicate()
+        if batch_ins or self._is_local_shape(out) or any(isinstance(p, Partial) for _, p in ins):
+            return AVG  # rank-local
         return Replicate()
 
-    def check_shard(self, node, name, out, d, batch_ins):
-        """Op-specific conditions for a batch-sharded result ``out`` (sharded along ``d``)."""
-        if name in _POSITIONAL_FACTORIES:
-            _fail(node, f"{name} along the batch dim numbers each rank's local samples, not the "
-                        "global ones")
-        if name in _RESHAPES:
-            for v, p in batch_ins:
-                before = prod(self._expr(s) for s in v.shape[: p.dim])
-                after = prod(self._expr(s) for s in out.shape[:d])
-                if sympy.expand(before - after) != 0:
-                    _fail(node, f"reshaping {tuple(v.shape)} (batch dim {p.dim}) to "
-                                f"{tuple(out.shape)} puts the batch inside dim {d}, not outermost: "
-                                "the ranks' shards would interleave")
-        if name == "cat" and batch_ins and _arguments(node)["dim"] % out.dim() == d:
-            _fail(node, "concatenating along the batch dim interleaves the ranks' samples")
-        if name == "repeat":
-            reps = _arguments(node)["repeats"]
-            for v, p in batch_ins:
-                if reps[p.dim + len(reps) - v.dim()] != 1:
-                    _fail(node, "repeating along the batch dim interleaves the ranks' samples")
-        if name in _MIXES_ALONG:
-            src_name, dim_name = _MIXES_ALONG[name]
-            args = _arguments(node)
-            src, mixed = args[src_name], args[dim_name]
-            v, p = src.meta["val"], self.env[src]
-            mixed = list(range(v.dim())) if mixed in ([], None) else (
-                [mixed] if isinstance(mixed, int) else mixed)
-            if self.is_batch_shard(v, p) and p.dim in [m % v.dim() for m in mixed]:
-                _fail(node, f"{name} along the batch dim depends on the positions of the samples "
-                            "within one rank's batch")
-        if name in _INDEXING:
-            args = _arguments(node)
-            v, p = args["input"].meta["val"], self.env[args["input"]]
-            indices = args["indices"]
-            if self.is_batch_shard(v, p) and p.dim < len(indices) and indices[p.dim] is not None:
-                _fail(node, "indexing into the batch dim with an index tensor")
-        if self._elementwise(node, name):
-            for v, p in batch_ins:
-                if p.dim + out.dim() - v.dim() != d:
-                    _fail(node, f"elementwise op moves the batch dim from {p.dim} to {d}")
+    def batch_placement(self, node, name, out, dims, batch_ins) -> Placement:
+        """The batch shard of ``out``: where its batch dim came from and how it is laid out."""
+        if name in _RESHAPES and len(batch_ins) == 1:
+            p = self.reshaped(out, dims, *batch_ins[0])
+            if p is not None:
+                return p
+        args = _arguments(node) if name in ("repeat", "cat") else None
+        if name == "repeat" and args is not None and len(batch_ins) == 1:
+            (v, p), reps = batch_ins[0], args["repeats"]
+            d = p.dim + len(reps) - v.dim()
+            copies = reps[d].meta["val"] if isinstance(reps[d], fx.Node) else reps[d]
+            return self.strided(d, self._expr(copies) * self._expr(_split_factor(p)))
+        if name == "cat" and args is not None and batch_ins:
+            d = args["dim"] % out.dim()
+            parts = self.inputs(node, args["tensors"])
+            along = [(v, p) for v, p in parts if self.is_batch_shard(v, p) and p.dim == d]
+            if along:
+                sizes = {self._expr(v.shape[d]) for v, _ in parts}
+                factors = {self._expr(_split_factor(p)) for _, p in along}
+                if len(along) == len(parts) and len(sizes) == 1 and len(factors) == 1:
+                    return self.strided(d, len(parts) * factors.pop())  # k chunks, each sharded
+                return Shard(d)  # the batch next to other rows: only the concatenation is known
+        # The batch dim of an input: an output dim of the very same size is that dim.
+        for v, p in batch_ins:
+            size = self._expr(v.shape[p.dim])
+            for d in dims:
+                if self._expr(out.shape[d]) == size:
+                    return self.strided(d, self._expr(_split_factor(p)))
+        return Shard(dims[0])  # e.g. a factory of batch size: ones(b, 8), arange(b)
+
+    def reshaped(self, out, dims, v, p) -> Placement | None:
+        """Follow the batch factor of ``v`` (placement ``p``) through a row-major reshape.
+
+        In the flattened index, the batch factor sits after ``outer = prod(v.shape[:p.dim]) * sf``
+        elements' worth of outer positions. In the output it lies in the dim ``d`` that holds the
+        batch symbol, with ``outer / prod(out.shape[:d])`` chunks before it: that quotient is the
+        output's split factor (1: a plain ``Shard(d)``). None when the reshape splits the
+        batch factor itself.
+        """
+        outer = prod(self._expr(s) for s in v.shape[: p.dim]) * self._expr(_split_factor(p))
+        for d in dims:
+            factor = sympy.cancel(outer / prod(self._expr(s) for s in out.shape[:d]))
+            numer, denom = sympy.fraction(factor)
+            if denom == 1 and not (factor.free_symbols & self.batch_syms):
+                return self.strided(d, factor)
+        return None
 
     @staticmethod
     def _elementwise(node, name) -> bool:
@@ -414,26 +371,34 @@ class _Analysis:
             return True
         if name.startswith(("_foreach_", "_fused_")):
             return name != "_foreach_norm"
-            return True
         return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
-    def reduction_over_batch(self, node, name, out, batch_ins, position):
-        v, p = batch_ins[0]
-        if name not in _BATCH_REDUCTIONS:
-            _fail(node, f"the result {tuple(out.shape)} has no batch dim but its input "
-                        f"{tuple(v.shape)} is sharded along dim {p.dim}, and {name} is not a "
-                        "symmetric reduction over the batch (it selects, slices or indexes into "
-                        "it)")
-        if name in _ACCUMULATE and not _arguments(node)["accumulate"]:
-            _fail(node, f"{name} without accumulate writes batch samples by position")
-        if name in _INDEX_RETURNING and position == 1:
-            return _Unusable(f"{name} returns positions along the batch dim (indices of local "
-                             "samples); only its values output is supported")
-        return AVG
+    def _masked_write(self, node, name, shards) -> bool:
+        """``t[mask] = scalar`` (``index_put`` with one boolean mask of ``t``'s shape, as Rprop
+        writes its update): elementwise, so a shard computes its part of the whole."""
+        if name not in ("index_put", "index_put_"):
+            return False
+        args = _arguments(node)
+        indices = args and args["indices"]
+        if not (indices and len(indices) == 1 and isinstance(indices[0], fx.Node)):
+            return False
+        target, mask = args["input"].meta["val"], indices[0].meta["val"]
+        values = args["values"].meta.get("val") if isinstance(args["values"], fx.Node) else None
+        return (mask.dtype == torch.bool and mask.dim() == target.dim()
+                and self.env.get(indices[0]) == self.current.get(args["input"],
+                                                                 self.env.get(args["input"]))
+                and (values is None or values.numel() == 1) and len({p for _, p in shards}) == 1)
 
     def param_shard(self, node, name, out, ins):
-        """Results of ops on stored parameter/state shards (non-batch ``Shard``, static sizes)."""
+        """Results of ops on stored parameter/state shards (non-batch ``Shard``, static sizes).
+
+        These placements are what fully_shard's expansion must honour: an elementwise update keeps
+        the shard; a full sum / max / min / norm over a shard is a ``Partial`` that needs its
+        all_reduce; anything else would compute something different on a shard than on the whole
+        parameter."""
         shards = [(v, p) for v, p in ins if isinstance(p, Shard)]
+        if self._masked_write(node, name, shards):
+            return shards[0][1]
         if self._elementwise(node, name) and len({p.dim for _, p in shards}) == 1:
             # ranks only: a shard's meta may hold its local or its logical (unsharded) shape
             same = all(v.dim() == out.dim() for v, _ in shards)
@@ -446,10 +411,11 @@ class _Analysis:
             if name in ("amax", "max", "amin", "min"):
                 return Partial("max" if "max" in name else "min")
             if name in ("linalg_vector_norm", "norm", "_foreach_norm"):
-                args = _arguments(node)
+                args = _arguments(node) or {}
                 order = args.get("ord", args.get("p"))
                 return _NormPartial(2 if order is None else order)
-        _fail(node, f"{name} on parameter shards is not covered")
+        _fail(node, f"{name} on parameter shards is not covered: on a shard it would compute "
+                    "something else than on the whole parameter")
 
     def per_index(self, node, name, val):
         """Foreach / fused optimizer ops: one placement per list index (what the op writes or
@@ -464,12 +430,8 @@ class _Analysis:
             outs = val
         else:  # a void in-place op: what it writes into its first list
             outs = [x.meta["val"] for x in node.args[0]]
-        result = []
-        for i, out in enumerate(outs):
-            ins = self.inputs(node, ([lst[i] for lst in lists], others))
-            p = self.output(node, name, out, ins, None)
-            result.append(p)
-        return result
+        return [self.output(node, name, out, self.inputs(node, ([lst[i] for lst in lists], others)))
+                for i, out in enumerate(outs)]
 
     def collective(self, node, name, val):
         """Functional collectives: all_reduce makes Partial data Replicate, all_gather gathers
@@ -480,7 +442,8 @@ class _Analysis:
 
         def one(v, p):
             if self.batch_dims(v):
-                _fail(node, f"{name} of batch-sharded data is not covered")
+                _fail(node, f"{name} of batch-sharded data: the expansion only communicates "
+                            "gradients, parameters and buffers")
             if name.startswith("all_reduce") and not isinstance(p, Shard):
                 return Replicate()
             if name.startswith("all_gather") and not isinstance(p, Partial):
@@ -497,25 +460,22 @@ class _Analysis:
         return one(*ins[0])
 
 
-
-
 def annotate_placements(gm: fx.GraphModule) -> fx.GraphModule:
     """Write ``node.meta[PLACEMENT]`` for every node of a traced (or expanded) training step.
 
-    Reads: ``node.meta["val"]`` (FakeTensors with symbolic batch sizes), ROLE and
-    INPUT_BATCH_DIM of placeholders, and a ``Shard`` PLACEMENT already on a PARAM / BUFFER /
-    OPT_STATE placeholder (a stored shard after fully_shard expansion).
+    Reads: ``node.meta["val"]`` (FakeTensors with symbolic batch sizes), ``unbacked_bindings``,
+    ROLE and INPUT_BATCH_DIM of placeholders, and a ``Shard`` PLACEMENT already on a PARAM /
+    BUFFER / OPT_STATE placeholder (a stored shard after fully_shard expansion).
     Writes: PLACEMENT on every node: a Placement for a tensor value; a list (one entry per element,
     None for non-tensors) for a list/tuple of tensors, and for a foreach/fused in-place op the
     placement of what it writes at each list index; None for non-tensor nodes.
-    Raises: ``BatchDimError`` for a node no rule explains; then no node is annotated.
+    Raises: ``BatchDimError`` only for what the expansion would get wrong (see the module
+    docstring); then no node is annotated.
     """
     analysis = _Analysis(gm)
     for node in gm.graph.nodes:
         analysis.env[node] = analysis.node_placement(node)
         analysis.record_mutations(node)
     for node, p in analysis.env.items():
-        if isinstance(p, list):
-            p = [None if isinstance(q, _Unusable) else q for q in p]
         node.meta[PLACEMENT] = p
     return gm

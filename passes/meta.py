@@ -35,6 +35,9 @@ PARAM_FQN = "spmd_param_fqn"  # str: the parameter a PARAM / OPT_STATE / GRAD no
 STATE_KEY = "spmd_state_key"  # str: optimizer state name ("exp_avg", "momentum_buffer", ...)
 INPUT_PATH = "spmd_input_path"  # str: pytree path of an INPUT leaf in the step's arguments
 INPUT_BATCH_DIM = "spmd_input_batch_dim"  # int | None: the batch dim of an INPUT leaf
+# tuple[int, ...]: the other dims of an INPUT leaf traced as symbolic sizes (a sequence length);
+# their symbols, unlike the batch dim's, mark no sharding
+INPUT_DYNAMIC_DIMS = "spmd_input_dynamic_dims"
 
 # Written by passes/batch_dim.py (placement propagation).
 # Placement for a tensor; list[Placement | None] for a multi-output node or a void foreach/fused

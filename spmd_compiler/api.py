@@ -9,6 +9,7 @@ The seed spelling ``compile(parallel_mode=...)(train_step)`` is the same thing.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import time
@@ -16,8 +17,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 
-from spmd_compiler.passes import batch_dim
+from spmd_compiler.passes import batch_dim, meta
 from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.cleanup import eliminate_dead_code
 from spmd_compiler.passes.overlap import sink_waits
@@ -32,6 +34,8 @@ from spmd_compiler.passes.fully_shard import ShardingError, expand_fully_shard
 from spmd_compiler.passes.grad_outputs import output_gradients
 from spmd_compiler.passes.replicate import expand_replicate
 
+from . import cache
+from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import DataParallel
 from .eager import attach as attach_eager_use, refuse_bound
@@ -39,11 +43,14 @@ from .consistency import (
     CACHED,
     COMPILE,
     COMPILE_FAILED,
-    agree_on_compile,
+    Redispatch,
+    agree_on_call,
     agree_on_program,
     agreement_in_flight,
     await_agreement,
+    describe_graph,
     describe_program,
+    exchange_objects,
     start_agreement,
 )
 from .runtime import (
@@ -55,7 +62,7 @@ from .runtime import (
     place_state,
     retain_host_memory,
 )
-from .tracing import LIFTED_HPARAMS, StepArgs, split_step_args, trace_step
+from .tracing import LIFTED_HPARAMS, StepArgs, TracedStep, split_step_args, trace_step
 
 log = logging.getLogger("spmd_compiler")
 
@@ -79,7 +86,8 @@ class CompiledStep:
     def __init__(self, fn: Callable, parallel_mode: DataParallel, *, backend: str = "eager",
                  dump_dir: str | None = None,
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
-                 check_ranks: bool = True, retain_host_memory: bool = True):
+                 check_ranks: bool = True, retain_host_memory: bool = True,
+                 cache_dir: str | None = None):
         if not isinstance(parallel_mode, DataParallel):
             raise SPMDError(
                 f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
@@ -94,9 +102,17 @@ class CompiledStep:
         self.gm_transformation = gm_transformation
         self.check_ranks = check_ranks
         self.retain_host_memory = retain_host_memory
-        self._cache: dict[tuple, list[CompiledGraph]] = {}
+        self.cache_dir = cache_dir
+        # Every program compiled so far, in compile order. Every rank compiles together, so
+        # program k exists on every rank and communicates the same on all of them (the per-call
+        # agreement relies on it).
+        self._programs: list[CompiledGraph] = []
+        # per (input structure, leaf): the shape at the last compile, and the dims traced dynamic
+        self._seen_shapes: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._dynamic: dict[tuple[str, int], set[int]] = {}
         self._last_key: tuple | None = None
-        self.compile_count = 0
+        self.compile_count = 0  # programs made ready: compiled, or loaded from the disk cache
+        self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
 
@@ -109,47 +125,69 @@ class CompiledStep:
                 "torch.distributed.init_process_group(...) first (e.g. launch with torchrun, "
                 "backend 'gloo' on CPU or 'nccl' on CUDA)."
             )
+        mode = self.parallel_mode
         try:
-            sa = split_step_args(args, kwargs, self.parallel_mode.input_batch_dim)
+            sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims)
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
-                agree_on_compile(COMPILE_FAILED, 0, str(e), default_mesh(_device_of(args, kwargs)).get_group(), e)
+                group = default_mesh(_device_of(args, kwargs)).get_group()
+                agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
             raise
         mesh = default_mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
         key = step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         hparams = lifted_hparams(sa)
-        entry = next((e for e in self._cache.get(key, ()) if e.guards_hold(inputs, hparams)), None)
-        pending = None
+        fits = [k for k, e in enumerate(self._programs)
+                if e.static_key == key and e.guards_hold(inputs, hparams)]
+        choice = fits[-1] if fits else None  # the newest program that fits, as dynamo's cache
         if self.check_ranks:
             batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
                           if d is not None), 0)
-            reason = "" if entry else (_why(self._last_key, key) if self._last_key else "first call")
-            with communication_failures("the per-call agreement between ranks"):
-                if entry is not None and entry.checks_ranks_inside:
-                    # checked by the graph itself, before its first collective or state update
-                    pending = start_agreement(CACHED, batch, reason, mesh.get_group())
-                else:
-                    agree_on_compile(CACHED if entry else COMPILE, batch, reason, mesh.get_group())
-        if entry is None:
-            entry = self._compile(sa, mesh, key)
-        with torch.no_grad(), agreement_in_flight(pending):
+            group = mesh.get_group()
+            if choice is not None and self._programs[choice].checks_ranks_inside:
+                # Run it while the agreement travels; the graph awaits it before its first
+                # collective or state update, and stops there if the ranks chose otherwise.
+                with communication_failures("the per-call agreement between ranks"):
+                    pending = start_agreement(CACHED, batch, group, fits, len(self._programs),
+                                              running=choice)
+                try:
+                    with torch.no_grad(), agreement_in_flight(pending):
+                        return self._programs[choice](sa, mesh, hparams)
+                except Redispatch as r:
+                    choice = r.choice
+            else:
+                with communication_failures("the per-call agreement between ranks"):
+                    choice = agree_on_call(CACHED if fits else COMPILE, batch, group, fits,
+                                           len(self._programs))
+        entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
+        with torch.no_grad():
             return entry(sa, mesh, hparams)
 
     # -- compiling ----------------------------------------------------------------------------
 
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
-        """Build the graph, check that every rank built the same, then place the live state."""
+        """Build the graph (or load it from the disk cache), check that every rank has the same,
+        then place the live state."""
+        group = mesh.get_group()
+        with communication_failures("the compile-time agreement between ranks"):
+            dynamic, why = self._dims_to_trace_dynamic(sa, group)
+            disk_key, stored = self._load_program(sa, dynamic, group)
+        summary = None
         try:
             refuse_bound(sa.module)
-            gm, traced, guard_code, seconds, runnable = self._build(
-                sa, mesh.get_group().group_name, mesh.size(), key)
-            description = describe_program(gm, sa, guard_code)
+            if stored is not None:
+                traced, runnable, guard_code, seconds, graph, num_nodes = self._unpack(stored)
+                summary = stored.summary
+            else:
+                gm, traced, guard_code, seconds, runnable = self._build(
+                    sa, group.group_name, mesh.size(), key, dynamic, why)
+                graph, num_nodes = describe_graph(gm), len(gm.graph.nodes)
+            description = describe_program(sa, graph, traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
         if self.check_ranks:
             with communication_failures("the compile-time agreement between ranks"):
-                agree_on_program(description, mesh.get_group())
+                agree_on_program(description, group)
         elif isinstance(description, Exception):
             raise description
         if self.retain_host_memory:
@@ -161,8 +199,10 @@ class CompiledStep:
         attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
         key = step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
-                              checks_ranks_inside=self.check_ranks and self.backend == "eager")
-        self._cache.setdefault(key, []).append(entry)
+                              checks_ranks_inside=self.check_ranks and self.backend == "eager",
+                              summary=summary)
+        self._programs.append(entry)
+        self._remember_input_shapes(sa, traced)
         self._last_key = key
         self.compile_count += 1
         seconds["placed state"] = time.perf_counter() - start
@@ -175,11 +215,120 @@ class CompiledStep:
             write_summary(entry_summary(entry), dump_dir)
             write_summary(entry_summary(entry), self.dump_dir)  # the latest, at the top level
         _info(
-            "spmd_compiler: compiled %s (%s, %d nodes) in %.2fs",
-            self.__name__, self.parallel_mode.parallel_style, len(gm.graph.nodes),
-            self.last_compile_seconds,
+            "spmd_compiler: %s %s (%s, %d nodes) in %.2fs",
+            "loaded" if stored is not None else "compiled", self.__name__,
+            self.parallel_mode.parallel_style, num_nodes, self.last_compile_seconds,
         )
+        if stored is not None:
+            self.cache_hits += 1
+        elif disk_key is not None:
+            self._store_program(disk_key, sa, entry, runnable, graph, num_nodes)
         return entry
+
+    # -- the disk cache -----------------------------------------------------------------------
+
+    def _disk_cache(self) -> str | None:
+        """The program cache directory, if the cache applies to this step (eager backend, no
+        per-stage dumps, which need a real compile)."""
+        if self.backend != "eager" or self.dump_dir:
+            return None
+        return cache_dir_from(self.cache_dir)
+
+    def _load_program(self, sa: StepArgs, dynamic: dict[int, tuple[int, ...]], group):
+        """(key, stored program) from the disk cache: (None, None) without a cache; (key, None)
+        unless every rank found the program (all compile then, so none waits for another)."""
+        cache_dir = self._disk_cache()
+        if cache_dir is None:
+            return None, None
+        try:
+            disk_key = program_key(
+                fn=self.fn, sa=sa, dynamic_dims=dynamic, rank=dist.get_rank(group),
+                world_size=dist.get_world_size(group), group_name=group.group_name, options=dict(
+                    mode=self.parallel_mode, backend=self.backend, check_ranks=self.check_ranks,
+                    gm_transformation=self.gm_transformation))
+            stored = cache.load(cache_dir, disk_key)
+        except Exception as e:  # noqa: BLE001 - the cache never stops a compile
+            log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
+            disk_key, stored = None, None
+        if self.check_ranks and dist.get_world_size(group) > 1:
+            found = torch.tensor([stored is not None], dtype=torch.int64)
+            dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
+            if not found.item():
+                stored = None
+        return disk_key, stored
+
+    @staticmethod
+    def _unpack(stored):
+        start = time.perf_counter()
+        traced, runnable = cache.unpack(stored)
+        seconds = {"loaded from cache": time.perf_counter() - start}
+        return traced, runnable, stored.guard_code, seconds, stored.graph_description, stored.num_nodes
+
+    def _store_program(self, disk_key: str, sa: StepArgs, entry: CompiledGraph, runnable,
+                       graph: dict, num_nodes: int) -> None:
+        if self.backend != "eager":
+            return
+        try:
+            program = cache.pack(disk_key, entry.traced, runnable, entry.guard_code, graph,
+                                 num_nodes, entry.stage_seconds, entry_summary(entry), cache.class_files(sa)
+                                 + [inspect.getsourcefile(self.fn) or ""])
+            if program is not None:
+                cache.store(self._disk_cache(), program)
+        except Exception as e:  # noqa: BLE001 - the cache never stops a step
+            log.info("spmd_compiler: program not cached (%s)", e)
+
+    # -- dynamic sizes ------------------------------------------------------------------------
+
+    def _dims_to_trace_dynamic(self, sa: StepArgs, group) -> tuple[dict[int, tuple[int, ...]], list[str]]:
+        """Per input leaf, the non-batch dims to trace as symbolic sizes, and why (for the log).
+
+        A dim is dynamic when the user declared it (``DataParallel(dynamic_dims=...)``,
+        ``torch._dynamo.mark_dynamic``), when it was dynamic in an earlier compile of this step,
+        when its size changed since the last compile (``automatic_dynamic``, as dynamo's
+        automatic dynamic shapes), or when it differs across ranks in this call. The ranks
+        exchange their view, so all of them trace the same dims as dynamic.
+        """
+        structure = str(sa.spec)
+        rank = f" on rank {dist.get_rank(group)}" if dist.get_world_size(group) > 1 else ""
+        mine: dict[int, tuple[tuple[int, ...], list[int], list[str]]] = {}
+        for i, b in zip(sa.input_indices, sa.batch_dims):
+            shape = tuple(sa.leaves[i].shape)
+            declared = set(sa.dynamic_dims.get(i, ()))
+            dims = declared | self._dynamic.get((structure, i), set())
+            why = [f"{sa.leaf_name(i)} dim {d}: declared dynamic" for d in sorted(declared)]
+            seen = self._seen_shapes.get((structure, i))
+            if self.parallel_mode.automatic_dynamic and seen is not None and len(seen) == len(shape):
+                for d, (before, now) in enumerate(zip(seen, shape)):
+                    if before != now and d != b and d not in dims:
+                        dims.add(d)
+                        why.append(f"{sa.leaf_name(i)} dim {d}: size changed {before} -> {now}"
+                                   f"{rank}")
+            mine[i] = (shape, sorted(dims - {b}), why)
+        everyone = [mine]
+        if self.check_ranks and dist.get_world_size(group) > 1:
+            everyone = exchange_objects(mine, group)
+        dynamic, why = {}, []
+        for i, b in zip(sa.input_indices, sa.batch_dims):
+            views = [r[i] for r in everyone if i in r]
+            dims = set().union(*(set(v[1]) for v in views))
+            why += [w for w in dict.fromkeys(w for v in views for w in v[2]) if w not in why]
+            shapes = [v[0] for v in views]
+            if len({len(s) for s in shapes}) == 1:
+                differ = {d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1}
+                differ -= dims | {b}
+                why += [f"{sa.leaf_name(i)} dim {d}: sizes differ across ranks "
+                        f"({', '.join(str(s[d]) for s in shapes)})" for d in sorted(differ)]
+                dims |= differ
+            dynamic[i] = tuple(sorted(dims - {b}))
+        return dynamic, why
+
+    def _remember_input_shapes(self, sa: StepArgs, traced: TracedStep) -> None:
+        """Record this compile's input shapes and dynamic dims, for the next compile's
+        automatic dynamic dims."""
+        structure = str(sa.spec)
+        for i in sa.input_indices:
+            self._seen_shapes[(structure, i)] = tuple(sa.leaves[i].shape)
+            self._dynamic.setdefault((structure, i), set()).update(traced.dynamic_dims.get(i, ()))
 
     def _dump_dir_for_compile(self, index: int | None = None) -> str | None:
         """``<dump_dir>/compile_<n>`` for the n-th compile, on rank 0 only (every rank with
@@ -193,10 +342,23 @@ class CompiledStep:
             return os.path.join(self.dump_dir, f"rank_{dist.get_rank()}", f"compile_{index}")
         return os.path.join(self.dump_dir, f"compile_{index}") if dist.get_rank() == 0 else None
 
-    def _build(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None):
+    def _build(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None,
+               dynamic: dict[int, tuple[int, ...]] | None = None, why: list[str] = ()):
+        """Trace, analyze, expand, optimize and lower the step; touches no live state.
+
+        Graph modules made meanwhile generate and compile their Python code only when it is
+        read or run (torch.fx's lazy graph modules): each pass's ``recompile()`` only marks it.
+        """
+        with _use_lazy_graph_module(True):
+            return self._build_stages(sa, group_name, world_size, key, dynamic, why)
+
+    def _build_stages(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None,
+                      dynamic: dict[int, tuple[int, ...]] | None, why: list[str]):
         """Trace, analyze, expand, optimize and lower the step; touches no live state."""
         if self._last_key is not None and key is not None:
             _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
+        if why:
+            _info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         fully_shard = self.parallel_mode.parallel_style == "fully_shard"
         seconds: dict[str, float] = {}
         dump_index = [0]
@@ -212,7 +374,9 @@ class CompiledStep:
 
         t = time.perf_counter()
         traced = trace_step(self.fn, (), {}, step_args=sa,
-                            fuse_optimizer=self.parallel_mode.fuse_optimizer)
+                            fuse_optimizer=self.parallel_mode.fuse_optimizer,
+                            dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic)
+        _log_specializations(traced, sa)
         stage("traced", traced.gm, t)
 
         t = time.perf_counter()
@@ -266,9 +430,21 @@ class CompiledStep:
         guard_code = traced.shape_env.produce_guards_expression(traced.fake_inputs)
         traced.gm = gm
         traced.sharded_states = fully_shard
+        traced.kept_grads = list(gm.meta.get(meta.KEPT_GRADS, ()))
         runnable = lower(gm, self.backend, rank_check=await_agreement if self.check_ranks else None)
         stage("lowered", gm, t)
         return gm, traced, guard_code, seconds, runnable
+
+
+def _log_specializations(traced: TracedStep, sa: StepArgs) -> None:
+    """Say where the step made a dim traced as dynamic static again."""
+    for i, d, size, where in traced.specialized_dims:
+        _info("spmd_compiler: %s dim %d was traced as a dynamic size, but the step specialized "
+              "it to %d at %s; this graph serves only that size", sa.leaf_name(i), d, size, where)
+    for i, d, where in traced.entangled:
+        _info("spmd_compiler: the step ties %s dim %d to the batch size at %s; traced as a "
+              "static size (a dim holding the batch size's symbol would count as batch-sharded)",
+              sa.leaf_name(i), d, where)
 
 
 def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = None,
@@ -288,7 +464,8 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
         group_name, world = group.group_name, dist.get_world_size()
     else:
         group_name, world = "explain", world_size or 2
-    sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim)
+    sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
+                         step.parallel_mode.dynamic_dims)
     gm, _, _, seconds, runnable = step._build(sa, group_name, world, None)
     summary = summarize(gm, compile_times=seconds,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
@@ -310,10 +487,15 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None]
     run in place between the compiled regions.
     """
     if backend == "inductor":
-        return torch.compile(fused_kernels_outside_compile(gm), backend="inductor", dynamic=True)
+        compiled = fused_kernels_outside_compile(gm)
+        _LazyGraphModule.force_recompile(compiled)  # dynamo traces its generated forward
+        # fallback_random: random ops (dropout) draw from torch's generator in graph order, the
+        # numbers eager PyTorch (and DDP) draws, instead of Inductor's own random stream
+        return torch.compile(compiled, backend="inductor", dynamic=True,
+                             options={"fallback_random": True})
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    runnable = torch.fx.GraphModule(gm, graph)
+    runnable = _make_graph_module(gm, graph)
     for lowering in (reduce_in_place, gather_into_preallocated, broadcast_gathers,
                      functools.partial(all_reduce_scatters, owned=owned_temporary),
                      plan_static_memory):
@@ -332,7 +514,7 @@ def fused_kernels_outside_compile(gm: torch.fx.GraphModule) -> torch.fx.GraphMod
         schema = getattr(node.target, "_schema", None)
         if node.op == "call_function" and schema is not None and schema.name.startswith("aten::_fused_"):
             node.target = _eager_kernel(node.target)
-    return torch.fx.GraphModule(gm, graph)
+    return _make_graph_module(gm, graph)
 
 
 @functools.cache
@@ -375,9 +557,12 @@ def analyze(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def entry_summary(entry: CompiledGraph):
-    """The visualize.Summary of a compiled graph."""
+    """The visualize.Summary of a compiled graph (of a program loaded from the disk cache: the
+    one made when it was compiled)."""
     from .visualize import summarize
 
+    if entry.traced.gm is None:
+        return entry.summary
     lowered = entry.run if isinstance(entry.run, torch.fx.GraphModule) else None
     return summarize(entry.traced.gm, compile_times=entry.stage_seconds, lowered=lowered)
 
@@ -410,7 +595,7 @@ def _hashable(x: Any) -> Any:
 
 
 def step_key(sa: StepArgs) -> tuple:
-    """Everything a compiled graph depends on besides the batch size (which the guards check).
+    """Everything a compiled graph depends on besides the input sizes (which its guards check).
 
     Named components, so a recompile can say what changed.
     """
@@ -432,11 +617,12 @@ def step_key(sa: StepArgs) -> tuple:
             for p, st in opt.state.items()
         )
         optim.append((type(opt), id(opt), groups, state))
+    # Sizes are left to each program's guards (a dim may be static in one program and a
+    # symbol in a later one); the rank and everything else that makes another program is here.
     inputs = []
     for i, d in zip(sa.input_indices, sa.batch_dims):
         t = sa.leaves[i]
-        shape = tuple(None if j == d else s for j, s in enumerate(t.shape))
-        inputs.append((shape, d, t.dtype, t.device, t.requires_grad))
+        inputs.append((t.dim(), d, t.dtype, t.device, t.requires_grad))
     constants = tuple(
         _hashable(x) for j, x in enumerate(sa.leaves)
         if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
@@ -450,12 +636,13 @@ def step_key(sa: StepArgs) -> tuple:
 
 def _why(old: tuple, new: tuple) -> str:
     changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
-    return "changed " + ", ".join(changed) if changed else "input shapes or a baked-in learning rate outside the guards"
+    return "changed " + ", ".join(changed) if changed else (
+        "input shapes, a baked-in learning rate or an unbatched input's value outside the guards")
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
                  dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True,
-                 retain_host_memory: bool = True):
+                 retain_host_memory: bool = True, cache_dir: str | None = None):
     """Decorator: compile a single-device training step for data parallelism.
 
     Args:
@@ -473,13 +660,18 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             returning it to the OS (glibc malloc settings, process-wide, set at the first
             compile; see ``runtime.retain_host_memory``). Saves re-faulting every step's
             activations and buckets; resident memory stays at the step's peak.
+        cache_dir: keep compiled programs in this directory (also ``SPMD_CACHE_DIR``), so a
+            restarted job or a second run loads them instead of compiling (eager backend;
+            ignored with ``dump_dir``). Keyed by everything the program depends on and checked
+            against the source files it was recorded from; see spmd_compiler/cache.py and
+            docs/user_guide.md.
     """
     mode = parallel_mode or DataParallel("replicate")
 
     def decorate(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
                             gm_transformation=gm_transformation, check_ranks=check_ranks,
-                            retain_host_memory=retain_host_memory)
+                            retain_host_memory=retain_host_memory, cache_dir=cache_dir)
 
     return decorate
 

@@ -1,22 +1,28 @@
-"""Cross-rank agreement: every rank must run the same compiled program, or all of them raise.
+"""Cross-rank agreement: every rank must run a program that communicates the same, or all of
+them raise.
 
-Ranks that disagree (another model, optimizer config, batch structure, a branch taken on one rank
-only, a batch size outside the guards on one rank) would otherwise enter mismatched collectives
-and hang or compute garbage. Two checks prevent that:
+Ranks that disagree (another model, optimizer config, batch structure, a branch that changes
+what a rank communicates) would otherwise enter mismatched collectives and hang or compute
+garbage. Ranks may differ in the sizes the program holds as symbols (the local batch size, a
+dynamic sequence length); the collectives do not depend on them. Two checks:
 
-- per call, ``agree_on_compile``: one small all_reduce of every rank's (needs a compile?, local batch size);
-  if some ranks would recompile and others would not, every rank raises the same error. A
-  rank running a cached eager graph only issues it (``start_agreement``) and lets the graph
-  await it (``await_agreement``) before its first collective or state update;
+- per call, ``agree_on_call``: one small all_reduce of every rank's (status, local batch size,
+  which compiled programs fit its inputs). Every compile happens on every rank together, so
+  program ``k`` exists on all ranks; all ranks run the newest program that fits
+  every rank's inputs, or, if none does, all of them compile a new one (one rank's new sequence
+  length makes every rank recompile, never only one). A rank running a cached eager program only
+  issues the exchange (``start_agreement``) and the program awaits it (``await_agreement``)
+  before its first collective or state update; if the ranks chose another program, it stops
+  there (``Redispatch``) and the step runs the chosen one;
 - per compile, ``agree_on_program``: ranks exchange a description of what they compiled (or the
-  error they hit) as pickled bytes in one all_reduce; any difference, or any rank's failure, raises on
-  every rank naming the ranks and the first difference.
+  error they hit) as pickled bytes in one all_reduce: the model, optimizer and batch structure
+  and the program's sequence of collectives (``describe_program``); any difference, or any
+  rank's failure, raises on every rank naming the ranks and the first difference.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import pickle
 import sys
 from typing import Any
@@ -35,70 +41,86 @@ class RankMismatchError(SPMDError):
     """Ranks disagree about the program they run (or one of them failed to compile it)."""
 
 
+class Redispatch(Exception):
+    """Raised inside a running program whose rank learns that the ranks chose another program
+    (``choice``, None: compile a new one); nothing has communicated or changed state yet."""
+
+    def __init__(self, choice: int | None):
+        super().__init__(f"the ranks chose program {choice}")
+        self.choice = choice
+
+
 CACHED, COMPILE, COMPILE_FAILED = 0, 1, 2  # what a rank is about to do with this call
+_BITS = 62  # programs per int64 word of the fits-mask
 
 
-def agree_on_compile(status: int, batch_size: int, reason: str, group,
-                     error: Exception | None = None) -> None:
-    """All ranks must agree on whether this call compiles; raise the same error on all if not.
+def agree_on_call(status: int, batch_size: int, group, fits: list[int], programs: int,
+                  error: Exception | None = None) -> int | None:
+    """Which program every rank runs for this call: the newest of the ``programs`` compiled so
+    far that fits every rank's inputs (``fits``: the ones that fit this rank's), or None when
+    every rank must compile a new one.
 
     ``status`` is CACHED, COMPILE or COMPILE_FAILED (this rank rejected its arguments: it
     re-raises ``error`` after telling the others, who raise a RankMismatchError naming it).
     """
-    pending = start_agreement(status, batch_size, reason, group)
+    pending = start_agreement(status, batch_size, group, fits, programs)
     if error is not None:
         if pending is not None:
             pending.work.wait()
         raise error
-    finish_agreement(pending)
+    if pending is None:
+        return max(fits) if fits else None
+    return finish_agreement(pending)
 
 
 class PendingAgreement:
     """An issued per-call agreement whose result is checked later (``finish_agreement``)."""
 
-    def __init__(self, work, everyone: list[torch.Tensor], status: int, reason: str):
-        self.work, self.everyone, self.status, self.reason = work, everyone, status, reason
+    def __init__(self, work, table: torch.Tensor, running: int | None):
+        self.work, self.table = work, table
+        self.running = running  # the program this rank started on while the exchange travels
 
 
-def start_agreement(status: int, batch_size: int, reason: str, group) -> PendingAgreement | None:
-    """Issue the per-call exchange of (status, local batch size); None on a single rank.
+def start_agreement(status: int, batch_size: int, group, fits: list[int], programs: int,
+                    running: int | None = None) -> PendingAgreement | None:
+    """Issue the per-call exchange; None on a single rank.
 
-    Each rank fills its own row of a ``world x 2`` table of zeros and the table is summed with
-    one all_reduce (gloo's most used path; its list all_gather copies through a flat buffer on
-    its worker thread), so every rank ends with every rank's row.
+    Each rank fills its own row of a ``world x (2 + words)`` table of zeros (status, local batch
+    size, a bit mask of the programs that fit its inputs) and the table is summed with one
+    all_reduce (gloo's most used path), so every rank ends with every rank's row. Every rank has
+    compiled the same number of programs, so the rows have the same width.
     """
     world = dist.get_world_size(group)
     if world == 1:
         return None
-    table = torch.zeros(world, 2, dtype=torch.int64)
-    table[dist.get_rank(group)] = torch.tensor([status, batch_size], dtype=torch.int64)
+    words = programs // _BITS + 1
+    row = [status, batch_size] + [0] * words
+    for k in fits:
+        row[2 + k // _BITS] |= 1 << (k % _BITS)
+    table = torch.zeros(world, 2 + words, dtype=torch.int64)
+    table[dist.get_rank(group)] = torch.tensor(row, dtype=torch.int64)
     work = dist.all_reduce(table, group=group, async_op=True)
-    return PendingAgreement(work, list(table.unbind(0)), status, reason)
+    return PendingAgreement(work, table, running)
 
 
-def finish_agreement(pending: PendingAgreement | None) -> None:
-    """Wait for an issued agreement; raise RankMismatchError if the ranks disagree."""
-    if pending is None:
-        return
+def finish_agreement(pending: PendingAgreement) -> int | None:
+    """Wait for an issued agreement; the program every rank runs (None: compile a new one).
+    Raise RankMismatchError if a rank rejected its arguments."""
     pending.work.wait()
-    everyone, status, reason = pending.everyone, pending.status, pending.reason
-    world = len(everyone)
-    flags = [int(t[0]) for t in everyone]
-    failed = [r for r, f in enumerate(flags) if f == COMPILE_FAILED]
+    rows = pending.table.tolist()
+    failed = [r for r, row in enumerate(rows) if row[0] == COMPILE_FAILED]
     if failed:
         raise RankMismatchError(
             f"ranks {failed} rejected their step arguments (see the error raised there); this "
             f"rank stops too instead of waiting for them in a collective."
         )
-    if 0 < sum(flags) < world:
-        compiling = [r for r, f in enumerate(flags) if f]
-        sizes = ", ".join(f"rank {r}: {int(t[1])}" for r, t in enumerate(everyone))
-        raise RankMismatchError(
-            f"ranks {compiling} need to recompile this step and the others do not, so they would "
-            f"run different programs. Local batch sizes: {sizes}. This rank: "
-            f"{'recompile (' + reason + ')' if status else 'cached graph'}. Give every rank "
-            f"inputs of the same structure, dtype, requires_grad and non-batch shape."
-        )
+    common = []
+    for w in range(len(rows[0]) - 2):
+        word = -1
+        for row in rows:
+            word &= row[2 + w]
+        common += [w * _BITS + b for b in range(_BITS) if word >> b & 1]
+    return max(common) if common else None
 
 
 _IN_FLIGHT: list[PendingAgreement | None] = []  # the agreement of the step now running
@@ -108,27 +130,54 @@ _IN_FLIGHT: list[PendingAgreement | None] = []  # the agreement of the step now 
 def agreement_in_flight(pending: PendingAgreement | None):
     """Run a compiled step while its agreement is in flight; the step's graph calls
     ``await_agreement`` before its first collective or state update. If the step stops before
-    that, the agreement is still completed (and checked) here."""
+    that, the agreement is still completed here (and, when the step raised nothing, checked)."""
     _IN_FLIGHT.append(pending)
     try:
         yield
     finally:
         left = _IN_FLIGHT.pop()
         if left is not None and sys.exc_info()[0] is None:
-            finish_agreement(left)
+            if finish_agreement(left) != left.running:
+                raise RankMismatchError(
+                    "the ranks chose another compiled program after this rank had run its own; "
+                    "its program has no point to stop at before it communicates.")
         elif left is not None:
             left.work.wait()
 
 
 def await_agreement() -> None:
-    """Graph node: complete the running step's per-call agreement (raise if ranks disagree)."""
+    """Graph node: complete the running step's per-call agreement; raise ``Redispatch`` if the
+    ranks chose another program than the one running (RankMismatchError if a rank failed)."""
     if _IN_FLIGHT and _IN_FLIGHT[-1] is not None:
         pending, _IN_FLIGHT[-1] = _IN_FLIGHT[-1], None
-        finish_agreement(pending)
+        choice = finish_agreement(pending)
+        if choice != pending.running:
+            raise Redispatch(choice)
 
 
-def describe_program(gm: fx.GraphModule, sa: StepArgs, guard_code: str | None) -> dict[str, Any]:
-    """What must be equal across ranks, by name, in the order a difference is reported."""
+def describe_graph(gm: fx.GraphModule) -> dict[str, Any]:
+    """The part of ``describe_program`` read off the compiled graph: what it communicates.
+
+    The rest of the graph may differ across ranks. Each rank records the step at its own
+    sizes, and a size-dependent branch or a size the trace specializes (a length whose
+    shifted targets are one long) gives that rank another computation, as each DDP rank runs its
+    own Python; what must not differ is the sequence of collectives, and it does not depend on
+    the sizes the program holds as symbols.
+    """
+    collectives = [
+        (str(n.target), repr(tuple(n.meta["val"].shape)) if hasattr(n.meta.get("val"), "shape") else "()",
+         n.meta.get(meta.BUCKET))
+        for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
+    ]
+    return {"collective sequence": collectives}
+
+
+def describe_program(sa: StepArgs, graph: dict[str, Any],
+                     dynamic_dims: dict[int, tuple[int, ...]] | None = None) -> dict[str, Any]:
+    """What must be equal across ranks, by name, in the order a difference is reported: the
+    step's arguments, then ``graph`` (``describe_graph``). Sizes the program holds as symbols
+    (batch dims, ``dynamic_dims``: leaf -> dims) are left out."""
+    dynamic_dims = dynamic_dims or {}
     module = sa.module
     optimizers = [
         (type(opt).__name__, [
@@ -138,17 +187,14 @@ def describe_program(gm: fx.GraphModule, sa: StepArgs, guard_code: str | None) -
         for opt in sa.optimizers
     ]
     inputs = [
-        (tuple(None if j == d else s for j, s in enumerate(sa.leaves[i].shape)), d,
-         str(sa.leaves[i].dtype), str(sa.leaves[i].device))
+        (tuple(None if j == d or j in dynamic_dims.get(i, ()) else s
+               for j, s in enumerate(sa.leaves[i].shape)), d,
+         str(sa.leaves[i].dtype), str(sa.leaves[i].device), sa.leaves[i].requires_grad)
         for i, d in zip(sa.input_indices, sa.batch_dims)
     ]
     constants = [
         repr(x) for j, x in enumerate(sa.leaves)
         if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
-    ]
-    collectives = [
-        (str(n.target), tuple(n.meta["val"].shape) if hasattr(n.meta.get("val"), "shape") else ())
-        for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
     ]
     return {
         "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
@@ -159,9 +205,7 @@ def describe_program(gm: fx.GraphModule, sa: StepArgs, guard_code: str | None) -
         "input structure": str(sa.spec),
         "inputs": inputs,
         "constants": constants,
-        "shape guards": guard_code,
-        "collective sequence": [(t, repr(shape)) for t, shape in collectives],
-        "graph": hashlib.sha1(gm.code.encode()).hexdigest(),
+        **graph,
     }
 
 

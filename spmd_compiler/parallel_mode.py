@@ -66,6 +66,15 @@ class DataParallel:
             (cheapest per byte first), as activation checkpointing does. ``None`` (default)
             keeps what autograd saves (checkpointed modules in the model are recomputed
             either way).
+        dynamic_dims: non-batch dims to compile as symbolic sizes from the first call on (a
+            sequence length), so one program serves every size: an int for every batched input,
+            or a pytree shaped like the batch of ints/None (one dim per input; for several, or
+            instead, ``torch._dynamo.mark_dynamic(tensor, dims)`` on the input). Ranks may pass
+            different sizes in these dims, as in the batch dim.
+        automatic_dynamic: like torch.compile's automatic dynamic shapes: a dim whose size
+            changed since the last compile is compiled as a symbolic size on the recompile, so
+            a new length compiles once more and then never again. A dim that differs across
+            ranks is always compiled as a symbolic size on every rank.
     """
 
     parallel_style: str = "replicate"
@@ -83,6 +92,8 @@ class DataParallel:
     keep_grads: bool = False
     param_init_fn: Callable[[Any], None] | None = None
     activation_memory_budget: float | None = None
+    dynamic_dims: Any = None
+    automatic_dynamic: bool = True
 
     def __post_init__(self):
         budget = self.activation_memory_budget

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 from spmd_compiler.passes import meta
 
@@ -444,22 +445,30 @@ class CompiledGraph:
     static_key: tuple
     stage_seconds: dict[str, float] = field(default_factory=dict)
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
+    summary: Any = None  # visualize.Summary of a program loaded from the disk cache
     kept_grads: list[str] = field(init=False)  # parameters whose gradient the graph returns last
 
     def __post_init__(self):
-        self.kept_grads = list(self.traced.gm.meta.get(meta.KEPT_GRADS, ()))
+        self.kept_grads = list(self.traced.kept_grads)
+        self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
 
     def guards_hold(self, inputs: list[torch.Tensor], hparams: list[float]) -> bool:
         """Do this call's batch inputs and lifted hyperparameters fit the graph?"""
         for i, value in self.traced.specialized_hparams:
             if hparams[i] != value:
                 return False
-        for k, d, size in self.traced.specialized:
-            if inputs[k].shape[d] != size:
+        for t, sizes in zip(inputs, self.traced.static_sizes):
+            shape = t.shape
+            for d, size in sizes:  # sizes the graph holds as constants; not in the guards
+                if shape[d] != size:
+                    return False
+        for k, value in self.traced.specialized_inputs:  # unbatched inputs read at trace time
+            if not torch.equal(inputs[k], value):
                 return False
-        if self.guard_code is None:
+        if self._guards is None:
             return True
-        return bool(self.traced.shape_env.evaluate_guards_expression(self.guard_code, inputs))
+        # what ShapeEnv.evaluate_guards_expression does, with the expression compiled once
+        return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(inputs)}}))
 
     def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float]) -> Any:
         """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``."""

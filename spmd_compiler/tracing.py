@@ -3,8 +3,9 @@ aten-level FX graph.
 
 The module is reparametrized with fake parameters and buffers, the optimizer's ``param_groups``
 and ``state`` are rebound to fake tensors, and ``make_fx`` records everything the step does,
-including ``loss.backward()`` and ``optim.step()``. Only the batch dim of each input is symbolic,
-so one graph serves every batch size the ShapeEnv's guards allow.
+including ``loss.backward()`` and ``optim.step()``. The batch dim of each input is symbolic, and
+so are the other dims the caller names (``dynamic_dims``, e.g. a sequence length), so one graph
+serves every size the ShapeEnv's guards allow.
 
 Placeholders come in a fixed order: parameters (unique, tied weights once), buffers, optimizer
 state tensors, lifted hyperparameters (``lr`` of each param group, as a SymFloat), batch leaves.
@@ -15,23 +16,31 @@ step created (when the optimizer had none yet).
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
+import sys
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.proxy_tensor import (
+    PythonKeyTracer,
+    _MakefxTracer,
+    get_proxy_mode,
+    get_proxy_slot,
+)
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
     ShapeEnv,
     StatelessSymbolicContext,
+    uninteresting_files,
 )
-from torch.fx.proxy import _register_stack_trace_anchor
+from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from spmd_compiler.passes import meta
@@ -46,6 +55,7 @@ from .errors import (
     TraceError,
     UnsupportedError,
 )
+from .trace_values import ReadConstantValues
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -66,6 +76,16 @@ class StepArgs:
     optimizer_indices: list[int]
     input_indices: list[int]  # positions in `leaves` of tensor inputs
     batch_dims: list[int | None]  # one per input
+    # input leaf -> dims declared dynamic (DataParallel(dynamic_dims=...), mark_dynamic)
+    dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def leaf_name(self, i: int) -> str:
+        """How the user would name argument leaf ``i`` (``argument 2[0]``, ``keyword argument 'x'``)."""
+        paths = [p for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(
+            list(range(len(self.leaves))), self.spec))[0]]
+        path = paths[i]
+        head = f"argument {path[1].idx}" if path[0].idx == 0 else f"keyword argument {path[1].key!r}"
+        return head + pytree.keystr(path[2:])
 
 
 @dataclass
@@ -83,12 +103,27 @@ class TracedStep:
     # (input position, dim, size) of batch dims the trace specialized to a constant (a batch of
     # one meeting a width-1 layer): the graph is valid only for that size.
     specialized: list[tuple[int, int, int]] = field(default_factory=list)
+    # input leaf -> non-batch dims traced as symbolic sizes
+    dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # per input, (dim, size) of the dims the graph holds as constants (checked on every call)
+    static_sizes: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    # (leaf, dim, size, user line) of dynamic dims the step specialized to a constant
+    specialized_dims: list[tuple[int, int, int, str]] = field(default_factory=list)
+    # (leaf, dim, user line) of dims that were dynamic until the step tied them to a batch size;
+    # traced static
+    entangled: list[tuple[int, int, str]] = field(default_factory=list)
+    # Python files with code on the stack of any recorded node (what the recording depends on)
+    source_files: list[str] = field(default_factory=list)
     # per lifted hyperparameter: bound as a float64 0-d tensor (fused kernels) or a float
     hparam_tensors: list[bool] = field(default_factory=list)
     # (index, value) of hyperparameters the graph holds as constants: a call with another value
     # needs another graph
     specialized_hparams: list[tuple[int, float]] = field(default_factory=list)
+    # (input position, value) of unbatched inputs whose values the trace read (a mask passed in
+    # and checked for causality): the graph is valid only for inputs equal to these
+    specialized_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     sharded_states: bool = False  # set by the compiler for fully_shard: states live padded
+    kept_grads: list[str] = field(default_factory=list)  # set by the compiler: see KEPT_GRADS
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
     num_tensor_outputs: int = 0
@@ -98,8 +133,13 @@ class TracedStep:
 # Arguments
 
 
-def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any) -> StepArgs:
-    """Find the module, the optimizer(s) and the batch leaves among the step's arguments."""
+def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
+                    dynamic_dims: Any = None) -> StepArgs:
+    """Find the module, the optimizer(s) and the batch leaves among the step's arguments.
+
+    ``dynamic_dims`` (an int, or a pytree of ints/None over the batch arguments) names a
+    non-batch dim per input to trace as a symbolic size; so does ``torch._dynamo.mark_dynamic``
+    on an input tensor."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     modules = [i for i, x in enumerate(leaves) if isinstance(x, torch.nn.Module)]
     optimizers = [i for i, x in enumerate(leaves) if isinstance(x, torch.optim.Optimizer)]
@@ -125,32 +165,58 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any) -> StepArgs
         optimizer_indices=optimizers,
         input_indices=inputs,
         batch_dims=batch_dims,
+        dynamic_dims=_declared_dynamic_dims(args, kwargs, leaves, inputs, dynamic_dims),
     )
+
+
+def _per_input(args, kwargs, leaves, inputs, value, name: str) -> dict[int, Any]:
+    """Broadcast ``value`` (an int or None, or a pytree of them over the batch arguments) to
+    each input leaf."""
+    if value is None or isinstance(value, int):
+        return {i: value for i in inputs}
+
+    def is_state(x):
+        return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
+
+    batch_args = tuple(a for a in args if not is_state(a))
+    batch_kwargs = {k: v for k, v in kwargs.items() if not is_state(v)}
+    target = batch_args[0] if len(batch_args) == 1 and not batch_kwargs else (
+        (batch_args, batch_kwargs) if batch_kwargs else batch_args
+    )
+    target_leaves, target_spec = pytree.tree_flatten(target)
+    flat = pytree._broadcast_to_and_flatten(value, target_spec)
+    if flat is None:
+        raise BatchDimError(
+            f"{name} {value!r} does not match the structure of the batch arguments "
+            f"({target_spec}); give an int, or a pytree of ints/None shaped like the batch."
+        )
+    by_id = {id(leaf): d for leaf, d in zip(target_leaves, flat)}
+    return {i: by_id.get(id(leaves[i])) for i in inputs}
+
+
+def _declared_dynamic_dims(args, kwargs, leaves, inputs, dynamic_dims) -> dict[int, tuple[int, ...]]:
+    """Per input leaf, the dims declared dynamic by ``dynamic_dims`` or ``mark_dynamic``."""
+    given = _per_input(args, kwargs, leaves, inputs, dynamic_dims, "dynamic_dims")
+    out = {}
+    for i in inputs:
+        t = leaves[i]
+        dims = set(getattr(t, "_dynamo_dynamic_indices", ()))  # torch._dynamo.mark_dynamic
+        if given[i] is not None:
+            d = given[i]
+            if not -t.dim() <= d < t.dim():
+                raise BatchDimError(
+                    f"dynamic_dims={d} is out of range for an input of shape {tuple(t.shape)} "
+                    f"(argument leaf {i}); give a pytree with None for inputs without that dim."
+                )
+            dims.add(d % t.dim())
+        if dims:
+            out[i] = tuple(sorted(dims))
+    return out
 
 
 def _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim) -> list[int | None]:
     """Broadcast ``input_batch_dim`` (an int, or a pytree over the batch arguments) to each input."""
-    if input_batch_dim is None or isinstance(input_batch_dim, int):
-        dims = {i: input_batch_dim for i in inputs}
-    else:
-        def is_state(x):
-            return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
-
-        batch_args = tuple(a for a in args if not is_state(a))
-        batch_kwargs = {k: v for k, v in kwargs.items() if not is_state(v)}
-        target = batch_args[0] if len(batch_args) == 1 and not batch_kwargs else (
-            (batch_args, batch_kwargs) if batch_kwargs else batch_args
-        )
-        target_leaves, target_spec = pytree.tree_flatten(target)
-        flat = pytree._broadcast_to_and_flatten(input_batch_dim, target_spec)
-        if flat is None:
-            raise BatchDimError(
-                f"input_batch_dim {input_batch_dim!r} does not match the structure of the batch "
-                f"arguments ({target_spec}); give an int, or a pytree of ints/None shaped like "
-                f"the batch."
-            )
-        by_id = {id(leaf): d for leaf, d in zip(target_leaves, flat)}
-        dims = {i: by_id.get(id(leaves[i])) for i in inputs}
+    dims = _per_input(args, kwargs, leaves, inputs, input_batch_dim, "input_batch_dim")
     out = []
     for i in inputs:
         d, t = dims[i], leaves[i]
@@ -253,6 +319,36 @@ def _refuse_reentrant_checkpoint():
         checkpoint.CheckpointFunction.apply = original
 
 
+@contextlib.contextmanager
+def _compiling_forward(module: torch.nn.Module):
+    """Make ``torch.compiler.is_compiling()`` true while the model's forward is recorded, as
+    torch's own make_fx-based (non-strict) export does: libraries then take their traceable code
+    paths (Hugging Face avoids data-dependent checks and runs its grouped expert matmul as a custom
+    op with a fake kernel). The loss code and the optimizer step run as written."""
+    saved = {"depth": 0, "flag": False}
+
+    def enter(*_):
+        if saved["depth"] == 0:
+            saved["flag"] = torch.compiler._is_compiling_flag
+            torch.compiler._is_compiling_flag = True
+        saved["depth"] += 1
+
+    def leave(*_):
+        saved["depth"] -= 1
+        if saved["depth"] == 0:
+            torch.compiler._is_compiling_flag = saved["flag"]
+
+    hooks = [module.register_forward_pre_hook(enter),
+             module.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        if saved["depth"]:  # the forward raised
+            torch.compiler._is_compiling_flag = saved["flag"]
+
+
 def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
     """Can ``group`` of ``opt`` run the fused implementation instead of the one it names?
 
@@ -323,6 +419,100 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
             opt.state = state
 
 
+class _StepTracer(PythonKeyTracer):
+    """make_fx's tracer, plus the two annotations the compiler shows users, made cheaply:
+
+    - ``node.stack_trace``: the frames of ``forward`` methods and of the step itself (as
+      make_fx's ``record_stack_traces``), read from the live Python frames instead of a
+      symbolized C++ traceback of the whole stack, and formatted once per distinct stack;
+    - ``node.meta["nn_module_stack"]``: the model's submodules being called (as make_fx's
+      ``record_module_stack``, without its proxies for every module attribute access).
+
+    On a 24-block GPT-2 step this halves the trace (measurements in docs/benchmarks.md).
+    """
+
+    def __init__(self, root_module: torch.nn.Module):
+        super().__init__()
+        self._paths = {}
+        for name, m in root_module.named_modules(remove_duplicate=False):
+            self._paths.setdefault(id(m), name)
+        self._calls: dict[str, int] = {}
+        self._formatted: dict[tuple, str] = {}
+        self._skip = uninteresting_files()
+        self.code_seen: set = set()  # code objects on the stack of any recorded node
+
+    def call_module(self, m, forward, args, kwargs):
+        path = self._paths.get(id(m))
+        if path is None:
+            return forward(*args, **kwargs)
+        calls = self._calls.get(path, 0)
+        self._calls[path] = calls + 1
+        key = f"{path}@{calls}" if calls else path
+        self.module_stack[key] = (path, f"{type(m).__module__}.{type(m).__qualname__}")
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.module_stack.pop(key, None)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            node.stack_trace = self._stack_trace(sys._getframe(1))
+        return node
+
+    def _stack_trace(self, frame) -> str | None:
+        frames = []
+        seen = self.code_seen
+        while frame is not None:
+            code = frame.f_code
+            seen.add(code)
+            if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
+                    and code.co_filename not in self._skip:
+                frames.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        if not frames:
+            return None
+        key = tuple(frames)
+        text = self._formatted.get(key)
+        if text is None:
+            text = self._formatted[key] = "".join(
+                f'  File "{f}", line {n}, in {name}\n    {linecache.getline(f, n).strip()}\n'
+                for f, n, name in reversed(frames)).strip()
+        return text
+
+
+class _StepRecorder(_MakefxTracer):
+    """make_fx (symbolic) recording with a ``_StepTracer``."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(None, "symbolic", False, False, False, False, True,
+                         _disable_torch_fn_metadata_mode=True)
+        self._module = module
+
+    last_tracer: _StepTracer | None = None
+
+    def _construct_modes_with_fx_tracer(self, fx_tracer):
+        self.fx_tracer = self.last_tracer = _StepTracer(self._module)
+        super()._construct_modes_with_fx_tracer(self.fx_tracer)
+
+
+def record(fn: Callable, module: torch.nn.Module, source_files: set[str] | None = None,
+           ) -> Callable[..., torch.fx.GraphModule]:
+    """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
+    the path of the submodule of ``module`` they were recorded in. Adds to ``source_files`` every
+    Python file with code on the stack of a recorded node."""
+    recorder = _StepRecorder(module)
+
+    def run(*args):
+        try:
+            return recorder.trace(fn, *args)
+        finally:
+            if source_files is not None and recorder.last_tracer is not None:
+                source_files.update(c.co_filename for c in recorder.last_tracer.code_seen)
+
+    return run
+
+
 def _global_meta(t: torch.Tensor):
     """(shape, dtype, device) of a tensor; for a DTensor the global (logical) ones."""
     return tuple(t.shape), t.dtype, t.device
@@ -331,6 +521,7 @@ def _global_meta(t: torch.Tensor):
 def trace_step(
     fn: Callable, args: tuple, kwargs: dict | None = None, input_batch_dim: Any = 0,
     *, step_args: StepArgs | None = None, fuse_optimizer: bool = False,
+    dynamic_dims: Mapping[int, Iterable[int]] | None = None,
 ) -> TracedStep:
     """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
 
@@ -338,11 +529,94 @@ def trace_step(
     implementation (one ``_fused_*_`` node per group and dtype) whatever ``foreach``/``fused``
     they name: the same update, in one pass over the parameters.
 
+    The batch dim of every input is a symbolic size; so is every dim in ``dynamic_dims``
+    (argument leaf index -> dims, e.g. a sequence length), each with its own symbol. A dynamic
+    dim that the step ties to the batch size (the ShapeEnv replaced one by the other) is traced
+    again as a static size, so that a dim holds the batch symbol only if it is batch-sharded.
+
     Reads live module/optimizer state only for shapes, dtypes and non-tensor settings; changes
-    nothing. Writes node.meta ROLE, REGION, PARAM_FQN, STATE_KEY, INPUT_PATH, INPUT_BATCH_DIM.
+    nothing. Writes node.meta ROLE, REGION, PARAM_FQN, STATE_KEY, INPUT_PATH, INPUT_BATCH_DIM,
+    INPUT_DYNAMIC_DIMS.
     """
     kwargs = kwargs or {}
     sa = step_args or split_step_args(args, kwargs, input_batch_dim)
+    dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
+    entangled: list[tuple[int, int, str]] = []
+    while True:
+        traced = _record_step(fn, sa, fuse_optimizer, dynamic)
+        tied = _dims_tied_to_batch(traced, sa)
+        if not tied:
+            traced.entangled = entangled
+            return traced
+        for i, d, where in tied:
+            entangled.append((i, d, where))
+            dynamic[i] = tuple(x for x in dynamic[i] if x != d)
+
+
+def _dynamic_dims_to_trace(sa: StepArgs, dynamic_dims: Mapping[int, Iterable[int]]) -> dict[int, tuple[int, ...]]:
+    """Per input leaf, the non-batch dims to trace as symbolic sizes (normalized, in range)."""
+    out = {}
+    for i, b in zip(sa.input_indices, sa.batch_dims):
+        t = sa.leaves[i]
+        dims = set()
+        for d in dynamic_dims.get(i, ()):
+            if not -t.dim() <= d < t.dim():
+                raise BatchDimError(
+                    f"dynamic dim {d} is out of range for an input of shape {tuple(t.shape)} "
+                    f"(argument leaf {i})")
+            dims.add(d % t.dim())
+        out[i] = tuple(sorted(dims - {b}))
+    return out
+
+
+def _dims_tied_to_batch(traced: "TracedStep", sa: StepArgs) -> list[tuple[int, int, str]]:
+    """(leaf, dim, user line) of dynamic dims whose size the trace tied to a batch size (their
+    simplified sizes share a symbol): in the graph they would look batch-sharded."""
+    env = traced.shape_env
+    batch_syms, batch_made_with = set(), set()
+    for fake, b in zip(traced.fake_inputs, sa.batch_dims):
+        if b is not None:
+            batch_syms |= _free_symbols(env, fake.shape[b])
+            batch_made_with |= _free_symbols(env, fake.shape[b], simplify=False)
+    tied = []
+    for fake, i in zip(traced.fake_inputs, sa.input_indices):
+        for d in traced.dynamic_dims.get(i, ()):
+            if _free_symbols(env, fake.shape[d]) & batch_syms:
+                own = _free_symbols(env, fake.shape[d], simplify=False)
+                tied.append((i, d, env.where_replaced(own | batch_made_with)))
+    return tied
+
+
+def _free_symbols(env: ShapeEnv, size, simplify: bool = True) -> set:
+    if not isinstance(size, torch.SymInt):
+        return set()
+    if not simplify:
+        return set(size.node._expr.free_symbols)  # the symbol it was made with
+    return set(env.simplify(size.node.expr).free_symbols)
+
+
+class _InputShapeEnv(ShapeEnv):
+    """A ShapeEnv that remembers the user's source line that replaced an input symbol (by a
+    constant: a specialization, or by another symbol)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.replaced_at: dict = {}
+
+    def _set_replacement(self, a, tgt, msg):
+        before = self.replacements.get(a)
+        super()._set_replacement(a, tgt, msg)
+        if self.replacements.get(a) is not before and a not in self.replaced_at:
+            self.replaced_at[a] = _user_line_here()
+
+    def where_replaced(self, symbols) -> str:
+        lines = [self.replaced_at[s] for s in sorted(symbols, key=str) if s in self.replaced_at]
+        return lines[0] if lines else "<unknown location>"
+
+
+def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
+                 dynamic_dims: dict[int, tuple[int, ...]]) -> TracedStep:
+    """One make_fx recording of the step (see ``trace_step``)."""
     module = sa.module
 
     named_params = list(module.named_parameters(remove_duplicate=False))
@@ -366,7 +640,7 @@ def trace_step(
                 "compile a step whose module owns every optimized parameter."
             )
 
-    shape_env = ShapeEnv(specialize_zero_one=False)
+    shape_env = _InputShapeEnv(specialize_zero_one=False)
     fake_mode = FakeTensorMode(shape_env=shape_env)
     # A model built on the meta device is recorded on the device its state will live on.
     home = next((t.device for t in (*unique_params, *unique_buffers) if not t.is_meta),
@@ -415,20 +689,17 @@ def trace_step(
                 sym = shape_env.create_unspecified_symbol(value, src, dynamic_dim=DimDynamic.DYNAMIC)
                 hparams.append(shape_env.create_symfloatnode(sym, hint=value, source=src))
 
-    fake_inputs = []
-    for i, d in zip(sa.input_indices, sa.batch_dims):
-        t = sa.leaves[i]
-        dyn = [DimDynamic.DYNAMIC if j == d else DimDynamic.STATIC for j in range(t.dim())]
-        ctx = StatelessSymbolicContext(dynamic_sizes=dyn)
-        fake_inputs.append(
-            fake_mode.from_tensor(t, symbolic_context=ctx, source=ConstantSource(f"input_{i}"))
-        )
+    fake_inputs = _fake_inputs(fake_mode, sa, dynamic_dims)
 
     grad_nodes: dict[str, torch.fx.Node] = {}
     created: list[tuple[str, str]] = []
+    source_files: set[str] = set()
     out_info = {}
 
     counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
+    unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
+                 enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
+    reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
 
     def stateless_step(*flat):
         params, buffers, states, lifted, inputs = _split(flat, counts)
@@ -445,7 +716,7 @@ def trace_step(
         with _reparametrize_module(module, by_name, strict=False), _tag_regions(), \
                 _refuse_reentrant_checkpoint(), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
-        ):
+        ), reads, _compiling_forward(module):
             out = fn(*call_args, **call_kwargs)
             new_states = []
             for opt in sa.optimizers:
@@ -471,16 +742,14 @@ def trace_step(
         out_info["n"] = len(traced_out)
         return traced_out + new_states
 
-    # make_fx keeps only frames of `forward` methods in node stack traces; anchor the step itself
-    # too, so nodes recorded in the step's own lines (grad clipping, loss code) name them.
+    # Node stack traces keep frames of `forward` methods; anchor the step itself too, so nodes
+    # recorded in the step's own lines (grad clipping, loss code) name them.
     _register_stack_trace_anchor(getattr(fn, "__wrapped__", fn))
-    stateless_step._orig_mod = module  # nn_module_stack paths relative to the model
     try:
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            gm = make_fx(stateless_step, tracing_mode="symbolic", record_stack_traces=True,
-                         record_module_stack=True)(
+            gm = record(stateless_step, module, source_files)(
                 *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
                 *fake_inputs,
             )
@@ -504,7 +773,7 @@ def trace_step(
     _check_matmul_dtypes(gm)
     _annotate(
         gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, len(hparams), sa,
-        grad_nodes,
+        grad_nodes, dynamic_dims,
     )
 
     missing = [fqn_of[id(p)] for p in unique_params if p.requires_grad and fqn_of[id(p)] not in grad_nodes]
@@ -523,8 +792,14 @@ def trace_step(
         num_hparams=len(hparams),
         hparam_tensors=hparam_tensors,
         specialized_hparams=_specialized_hparams(shape_env, hparams, hparam_values),
+        specialized_inputs=[(k, unbatched[k].clone()) for k in
+                            sorted(p - sum(counts) for p in reads.used)],
         fake_inputs=fake_inputs,
         specialized=_specialized_batch_dims(shape_env, fake_inputs, sa.batch_dims),
+        dynamic_dims=dynamic_dims,
+        static_sizes=_static_sizes(fake_inputs, shape_env),
+        specialized_dims=_specialized_dynamic_dims(shape_env, fake_inputs, sa, dynamic_dims),
+        source_files=sorted(f for f in source_files if not f.startswith("<")),
         out_spec=out_info["spec"],
         out_constants=out_info["constants"],
         num_tensor_outputs=out_info["n"],
@@ -537,6 +812,65 @@ def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:
     index = {h.node._expr: i for i, h in enumerate(hparams) if isinstance(h, torch.SymFloat)}  # unreplaced
     baked = {index[s] for g in shape_env.guards for s in g.expr.free_symbols if s in index}
     return [(i, values[i]) for i in sorted(baked)]
+
+
+def _fake_inputs(fake_mode: FakeTensorMode, sa: StepArgs,
+                 dynamic_dims: dict[int, tuple[int, ...]]) -> list[torch.Tensor]:
+    """Fake batch leaves: the batch dim and the ``dynamic_dims`` of each get their own size
+    symbol (``DimDynamic.DYNAMIC``: never shared with another dim of equal size, so a sequence
+    length equal to the batch size is not taken for the batch); other dims are static."""
+    out = []
+    for i, b in zip(sa.input_indices, sa.batch_dims):
+        t = sa.leaves[i]
+        dynamic = set(dynamic_dims.get(i, ())) | ({b} if b is not None else set())
+        ctx = StatelessSymbolicContext(dynamic_sizes=[
+            DimDynamic.DYNAMIC if j in dynamic else DimDynamic.STATIC for j in range(t.dim())])
+        out.append(fake_mode.from_tensor(t, symbolic_context=ctx, source=ConstantSource(f"input_{i}")))
+    return out
+
+
+def _static_sizes(fake_inputs, shape_env) -> list[tuple[tuple[int, int], ...]]:
+    """Per input, (dim, size) of every dim whose size the graph holds as a constant: static dims
+    and dynamic ones the trace specialized. The ShapeEnv's guard expression does not check them."""
+    out = []
+    for fake in fake_inputs:
+        sizes = []
+        for d, size in enumerate(fake.shape):
+            expr = shape_env.simplify(size.node.expr) if isinstance(size, torch.SymInt) else size
+            if getattr(expr, "is_number", isinstance(expr, int)):
+                sizes.append((d, int(expr)))
+        out.append(tuple(sizes))
+    return out
+
+
+def _specialized_dynamic_dims(shape_env, fake_inputs, sa, dynamic_dims) -> list[tuple[int, int, int, str]]:
+    """(leaf, dim, size, user line) of dims traced as dynamic that the step specialized to a
+    constant: the graph serves only that size."""
+    out = []
+    for fake, i in zip(fake_inputs, sa.input_indices):
+        for d in dynamic_dims.get(i, ()):
+            size = fake.shape[d]
+            if not isinstance(size, torch.SymInt):
+                continue
+            expr = shape_env.simplify(size.node.expr)
+            if expr.is_number:
+                out.append((i, d, int(expr), shape_env.where_replaced(size.node._expr.free_symbols)))
+    return out
+
+
+def _user_line_here() -> str:
+    """The innermost live frame in the user's code (not torch's, not ours)."""
+    here = os.path.dirname(__file__)
+    roots = (os.path.dirname(torch.__file__), here,
+             os.path.join(os.path.dirname(here), "passes"), os.path.dirname(contextlib.__file__))
+    frame = sys._getframe(1)
+    while frame is not None:
+        f = frame.f_code.co_filename
+        if not f.startswith(roots) and not f.startswith("<"):
+            line = linecache.getline(f, frame.f_lineno).strip()
+            return f'File "{f}", line {frame.f_lineno}, in {frame.f_code.co_name}: {line}'
+        frame = frame.f_back
+    return "<unknown location>"
 
 
 def _specialized_batch_dims(shape_env, fake_inputs, batch_dims) -> list[tuple[int, int, int]]:
@@ -593,6 +927,13 @@ def _describe_trace_failure(e: Exception) -> str:
             f"(if/while on a tensor, .item(), .tolist(), bool(tensor)) cannot be compiled. Use "
             f"torch.where / tensor ops instead, or move it out of the step. ({first_line})"
         )
+    if isinstance(e, TypeError) and "FakeTensor" in str(e):
+        return (
+            f"the step uses a tensor's value as a Python number (a size, an index or a count) at "
+            f"{where}. The whole step is recorded once as a graph, so a number that depends on "
+            f"tensor data cannot shape it (e.g. nn.utils.rnn.pack_padded_sequence: its batch "
+            f"sizes come from the lengths). Use padded tensors and masks instead. ({first_line})"
+        )
     if isinstance(e, DynamicOutputShapeException):
         return (
             f"an op whose output shape depends on tensor values (e.g. nonzero, masked_select, "
@@ -602,7 +943,7 @@ def _describe_trace_failure(e: Exception) -> str:
 
 
 def _annotate(gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, num_hparams, sa,
-              grad_nodes):
+              grad_nodes, dynamic_dims):
     """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders and grads; REGION on all."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     it = iter(placeholders)
@@ -626,6 +967,7 @@ def _annotate(gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_ke
         n.meta[meta.ROLE] = meta.Role.INPUT
         n.meta[meta.INPUT_PATH] = f"leaf {i}"
         n.meta[meta.INPUT_BATCH_DIM] = d
+        n.meta[meta.INPUT_DYNAMIC_DIMS] = dynamic_dims.get(i, ())
     for fqn, node in grad_nodes.items():
         if node.graph is gm.graph:
             node.meta[meta.ROLE] = meta.Role.GRAD

@@ -23,6 +23,7 @@ import graphviz
 import torch
 import torch.fx as fx
 from tabulate import tabulate
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_compiler.passes.memory_plan import lifetimes, workspace
@@ -173,6 +174,8 @@ def placement_kind(p: Any) -> str:
         p = next((q for q in p if q is not None), None)
     if p is None:
         return "none"
+    if isinstance(p, _StridedShard):  # an interleaved shard (its is_shard() is False)
+        return "shard"
     for kind in ("shard", "replicate", "partial"):
         if getattr(p, f"is_{kind}")():
             return kind
@@ -180,11 +183,14 @@ def placement_kind(p: Any) -> str:
 
 
 def placement_str(p: Any) -> str:
-    """Short placement text: ``S(0)``, ``R``, ``P(avg)``; lists joined with ``,``."""
+    """Short placement text: ``S(0)``, ``_S(0, 5)`` (strided: 5 chunks), ``R``, ``P(avg)``;
+    lists joined with ``,``."""
     if isinstance(p, (list, tuple)):
         return ",".join(placement_str(q) for q in p)
     if p is None:
         return "-"
+    if isinstance(p, _StridedShard):
+        return str(p)
     kind = placement_kind(p)
     if kind == "shard":
         return f"S({p.dim})"
@@ -320,7 +326,7 @@ def _node_attrs(node: fx.Node, role: str) -> dict[str, str]:
 
 def _add_legend(g: graphviz.Digraph, roles: Iterable[str], per_row: int = 6) -> None:
     """A legend cluster: one swatch per placement, one sample per role the graph uses, in rows."""
-    labels = {"shard": "Shard(d)  S(d)", "replicate": "Replicate  R",
+    labels = {"shard": "Shard(d)  S(d) / _S(d, k)", "replicate": "Replicate  R",
               "partial": "Partial  P(op)", "none": "no placement"}
     items = [(f"legend_{k}", labels[k], dict(shape="box", style="filled", fillcolor=c))
              for k, c in PLACEMENT_COLORS.items()]

@@ -11,10 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from tabulate import tabulate
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from spmd_compiler.passes.batch_dim import BatchDimError, annotate_placements
-from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Role
+from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler.tracing import trace_step
 
 aten = torch.ops.aten
@@ -313,33 +313,131 @@ def _raising_step(forward):
                       {}, input_batch_dim=0).gm
 
 
-@pytest.mark.parametrize("forward, op, why", [
-    (lambda h: h.t().reshape(-1), "_unsafe_view", "not outermost"),  # [8, b] flattened: batch inner
-    (lambda h: h[0], "select", "selects, slices or indexes"),
-    (lambda h: h[1:], "slice", "batch-free factor"),
-    (lambda h: h @ h.t(), "mm", "one batch dim only"),  # [b, b]
-    (lambda h: torch.cat([h, h]), "cat", "interleaves"),
-    (lambda h: h.repeat(2, 1), "repeat", "interleaves"),
-    (lambda h: h.cumsum(0), "cumsum", "positions of the samples"),
-    (lambda h: h.softmax(0), "_softmax", "positions of the samples"),
-    (lambda h: h + torch.arange(h.shape[0])[:, None], "arange", "local samples"),
-    (lambda h: h.flip(0), "flip", "positions of the samples"),
-    (lambda h: h + h.max(0).indices, "max", "positions along the batch"),
-    (lambda h: h + h.any(0), "any", "not a symmetric reduction"),
+def _strided(dim, factor):
+    return _StridedShard(dim, split_factor=factor)
+
+
+@pytest.mark.parametrize("forward, op, expected", [
+    # [8, b] flattened: the batch is inside dim 0, after 8 chunks
+    (lambda h: h.t().reshape(-1), aten._unsafe_view.default, _strided(0, 8)),
+    (lambda h: h[0], aten.select.int, AVG),  # one rank-local sample
+    (lambda h: h[1:], aten.slice.Tensor, Shard(0)),  # each rank drops its first sample
+    (lambda h: h @ h.t(), aten.mm.default, Shard(0)),  # [b, b]: local pairs
+    (lambda h: torch.cat([h, h]), aten.cat.default, _strided(0, 2)),
+    (lambda h: h.repeat(2, 1), aten.repeat.default, _strided(0, 2)),
+    (lambda h: h.cumsum(0), aten.cumsum.default, Shard(0)),
+    (lambda h: h.softmax(0), aten._softmax.default, Shard(0)),
+    (lambda h: h + torch.arange(h.shape[0])[:, None], aten.arange.default, Shard(0)),
+    (lambda h: h.flip(0), aten.flip.default, Shard(0)),
+    (lambda h: h + h.max(0).indices, aten.max.dim, [AVG, AVG]),  # positions of local samples
+    (lambda h: h + h.any(0), aten.any.dim, AVG),
+    (lambda h: h[torch.arange(h.shape[0]), torch.zeros(h.shape[0], dtype=torch.long)],
+     aten.index.Tensor, Shard(0)),  # per-sample indexing with local indices
+    (lambda h: torch.zeros_like(h).scatter(0, torch.zeros_like(h, dtype=torch.long), h),
+     aten.scatter.src, Shard(0)),
 ], ids=["flatten-batch-inner", "select", "slice", "outer", "cat", "repeat", "cumsum", "softmax",
-        "arange", "flip", "argmax-over-batch", "any-over-batch"])
-def test_unexplained_ops_raise_naming_op_and_source(forward, op, why):
-    gm = _raising_step(forward)
-    with pytest.raises(BatchDimError, match=why) as info:
-        annotate_placements(gm)
-    err = info.value
-    assert f"aten.{op}." in err.op and err.op in str(err)
-    assert "test_batch_dim.py" in (err.stack_trace or "")  # the user's source line
-    assert all(PLACEMENT not in n.meta for n in gm.graph.nodes)  # nothing half-annotated
+        "arange", "flip", "argmax-over-batch", "any-over-batch", "arange-index", "scatter"])
+def test_local_ops_are_described_not_refused(forward, op, expected):
+    """What DDP runs, the analysis describes: local positions and local selections get the
+    placement their shape and inputs prove, nothing raises."""
+    gm = annotate_placements(_raising_step(forward))
+    (node,) = calls(gm, op)[:1]
+    assert placement(node) == expected, (node, placement(node))
+    assert check_roles(gm) == 2
+
+
+def test_flatten_of_a_time_major_batch_is_a_strided_shard_as_dtensor_says():
+    """(T, b, E) -> (T*b, E) inside nn.MultiheadAttention: DTensor's own view rule gives the same
+    _StridedShard on concrete shapes (global batch 2 * 3, mesh of 2)."""
+    from torch.distributed.tensor._ops._view_ops import propagate_shape_and_sharding, view_groups
+
+    mha = nn.MultiheadAttention(8, 2)
+
+    class TimeMajor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):  # (T, b, E)
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    model = TimeMajor()
+    gm = trace_step(sum_loss_step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    (torch.randn(5, 3, 8), torch.randn(5, 3, 8))), {},
+                    input_batch_dim=1).gm
+    annotate_placements(gm)
+    b = size_exprs(next(n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.INPUT))[1]
+    flats = [n for n in gm.graph.nodes if n.target in (aten.view.default, aten._unsafe_view.default)
+             and size_exprs(n) == [f"5*{b}", "8"]]
+    assert flats and all(placement(n) == _strided(0, 5) for n in flats)
+    rule = view_groups([5, 6, 8], [30, 8])  # aten.view: DTensor's strict view rule
+    _, (expected,) = propagate_shape_and_sharding([Shard(1)], (5, 6, 8), rule, (2,), strict_view=True)
+    assert expected == _strided(0, 5)
+    assert check_roles(gm) == len(list(model.parameters()))
+
+
+def test_split_factor_follows_a_symbolic_sequence_length():
+    """With the sequence length symbolic too, (T, b, E) -> (T*b, E) -> (T, b, E) is
+    _StridedShard(0, T) then Shard(1): the factor comes from the input's shape, not from the
+    product T*b (which is the same for (b, T))."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+    from spmd_compiler.passes.meta import INPUT_BATCH_DIM
+
+    def f(x):
+        t, b, e = x.shape
+        flat = x.reshape(t * b, e) * 2
+        other = x.transpose(0, 1).reshape(b * t, e)  # batch-major: the same size t*b, Shard(0)
+        return flat.view(t, b, e), other
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC,
+                                                  DimDynamic.STATIC])
+    x = mode.from_tensor(torch.randn(5, 3, 4), symbolic_context=ctx)
+    with mode:
+        gm = make_fx(f, tracing_mode="symbolic")(x)
+    (inp,) = gm.graph.find_nodes(op="placeholder")
+    inp.meta.update({ROLE: Role.INPUT, INPUT_BATCH_DIM: 1})
+    annotate_placements(gm)
+    t_sym = inp.meta["val"].shape[0]
+    flat = next(n for n in gm.graph.nodes if n.target == aten.mul.Tensor)
+    p = placement(flat)
+    assert isinstance(p, _StridedShard) and p.dim == 0 and p.split_factor == t_sym
+    back, other = gm.graph.output_node().args[0]
+    assert placement(back) == Shard(1) and placement(other) == Shard(0)
+    assert str(inp.meta["val"].shape[0].node.expr) in str(p)
+
+
+def test_data_dependent_sizes_from_the_batch_are_batch_sizes():
+    """nonzero / boolean masks over batch data select each rank's own samples: their unbacked
+    size is a batch size (Shard); a size read from a rank-local value is rank-local (Partial)."""
+    def step(model, optim, batch):
+        optim.zero_grad()
+        x, y = batch
+        out = model(x)
+        keep = y > 0
+        (rows,) = torch.where(keep[:, 0])
+        n = keep.sum().item()  # a size read from a rank-local value
+        loss = (out[keep] - y[keep]).pow(2).sum() + out[rows].sum() + torch.ones(n).sum()
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = SimpleMLP()
+    gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   (torch.randn(6, 50), torch.randn(6, 8)), step=step)
+    masked = [n for n in calls(gm, aten.index.Tensor) if n.meta.get("unbacked_bindings")]
+    assert masked and all(placement(n) == Shard(0) for n in masked)
+    (nonzero,) = calls(gm, aten.nonzero.default)
+    assert placement(nonzero) == Shard(0)
+    (ones,) = calls(gm, aten.ones.default)
+    assert placement(ones) == AVG
+    assert check_roles(gm) == 4
 
 
 def test_nonlinear_reductions_over_batch_are_rank_local_partials():
-    # (max over the batch with a gradient raises: its backward scatters by local sample position)
     gm = _raising_step(lambda h: h.amax(0) + h.detach().max(0).values + h.var(0) + h.norm()
                        + torch.zeros(3, 8).index_put([torch.zeros(h.shape[0], dtype=torch.long)],
                                                      h, accumulate=True).sum(0))
@@ -350,7 +448,7 @@ def test_nonlinear_reductions_over_batch_are_rank_local_partials():
         p = placement(node)
         assert (p[0] if isinstance(p, list) else p) == AVG, node
     (max_dim,) = calls(gm, aten.max.dim)
-    assert placement(max_dim) == [AVG, None]  # the indices output has no placement
+    assert placement(max_dim) == [AVG, AVG]  # the indices are positions of local samples
     assert check_roles(gm) == 2
 
 
@@ -451,6 +549,42 @@ def test_fully_shard_expanded_graph(make_optim):
         assert ps and all(p == Shard(0) for p in ps), n
 
 
+def _fully_shard_graph(step, model, optim):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from spmd_compiler.passes.fully_shard import expand_fully_shard
+
+    gm = trace_step(step, (model, optim, (torch.randn(8, 50), torch.randn(8, 8))), {},
+                    input_batch_dim=0).gm
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        return expand_fully_shard(gm, group_name=dist.group.WORLD.group_name, world_size=3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_masked_writes_on_parameter_shards_are_elementwise():
+    """Rprop's ``grad[mask] = 0`` (index_put_ with a boolean mask of the shard's shape) keeps
+    the shard; a cumsum over a shard's rows would compute something else and raises."""
+    model = SimpleMLP()
+    gm = annotate_placements(_fully_shard_graph(sum_loss_step, model,
+                                                torch.optim.Rprop(model.parameters(), lr=0.01)))
+    writes = [n for n in gm.graph.nodes if n.target in (aten.index_put_.default,
+                                                        aten.index_put.default)]
+    assert writes and all(placement(n) == Shard(0) for n in writes)
+
+    def cumsum_step(model, optim, batch):
+        loss = sum_loss_step(model, optim, batch)
+        for p in model.parameters():
+            p.data.copy_(p.data.cumsum(0))  # CUMSUM-ON-SHARDS
+        return loss
+
+    gm = _fully_shard_graph(cumsum_step, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(BatchDimError, match="cumsum on parameter shards is not covered") as info:
+        annotate_placements(gm)
+    assert "CUMSUM-ON-SHARDS" in (info.value.stack_trace or "")
+
+
 # -- property: random chains of shape ops against eager ground truth -------------------------
 
 BASE = (3, 4)  # the non-batch dims of the input
@@ -531,9 +665,23 @@ class Scale(nn.Module):
         self.w = nn.Parameter(torch.ones(()))
 
 
-@settings(max_examples=40, deadline=None)
+def _assemble(parts, p):
+    """The global tensor that the ranks' local tensors ``parts`` make under placement ``p``:
+    concatenated along ``p.dim`` (Shard), or, for ``_StridedShard(d, k)``, each local tensor cut
+    into k chunks along d and chunk j of every rank placed before chunk j + 1 of any."""
+    if isinstance(p, Shard):
+        return torch.cat(parts, p.dim)
+    chunks = [part.tensor_split(p.split_factor, p.dim) for part in parts]
+    return torch.cat([c[j] for j in range(p.split_factor) for c in chunks], p.dim)
+
+
+@settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_random_shape_op_chains_match_eager_sharding(data):
+    """Random chains of shape ops on a batched input, against eager ground truth: the output dim
+    whose size changes with the batch size carries the Shard / _StridedShard, and two ranks'
+    outputs on halves of a batch, assembled by that placement, are the output of the whole batch.
+    A chain that leaves no batch-sized dim (it selected a sample) is rank-local: Partial("avg")."""
     ops = _chain_ops(data)
 
     def step(model, optim, x):
@@ -546,31 +694,23 @@ def test_random_shape_op_chains_match_eager_sharding(data):
     model = Scale()
     gm = trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
                            torch.randn(4, *BASE)), {}, input_batch_dim=0).gm
-    # ground truth: the dim whose size changes with the batch size ...
+    annotate_placements(gm)
+    p = placement(gm.graph.output_node().args[0][0])
     small, large = _run(ops, torch.randn(2, *BASE)), _run(ops, torch.randn(3, *BASE))
     changing = [i for i, (a, b) in enumerate(zip(small.shape, large.shape)) if a != b]
-    if not changing:  # the chain selected or narrowed into the batch: a position, not a shard
-        with pytest.raises(BatchDimError):
-            annotate_placements(gm)
+    if not changing:
+        assert p == AVG
         return
     (d,) = changing
-    # ... and whether two ranks' outputs on halves of a batch concatenate to the global output
+    assert isinstance(p, (Shard, _StridedShard)) and p.dim == d, p
     x = torch.randn(4, *BASE)
-    concat_ok = torch.equal(torch.cat([_run(ops, x[:2]), _run(ops, x[2:])], d), _run(ops, x))
-    try:
-        annotate_placements(gm)
-    except BatchDimError:
-        assert not concat_ok
-        return
-    out = gm.graph.output_node().args[0][0]
-    assert placement(out) == Shard(d) and concat_ok
+    assert torch.equal(_assemble([_run(ops, x[:2]), _run(ops, x[2:])], p), _run(ops, x)), p
     check_roles(gm)
 
 
 # -- the placement table in docs/batch_dim.md ------------------------------------------------
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "batch_dim.md"
-TABLE_BEGIN, TABLE_END = "<!-- seed-table-begin -->", "<!-- seed-table-end -->"
 
 
 def seed_placement_table() -> str:
@@ -596,12 +736,51 @@ def seed_placement_table() -> str:
                     tablefmt="github")
 
 
-def test_doc_table_is_generated_from_the_code():
+class TimeMajorAttention(nn.Module):
+    """One ``nn.MultiheadAttention`` (time-major, the default layout) with a causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2)
+
+    def forward(self, x):  # (T, b, 8)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[0])
+        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+def attention_placement_table() -> str:
+    """The forward of one nn.MultiheadAttention (T = 5, batch b, embedding 8, 2 heads), with the
+    placement text the dumps print on every node."""
+    from spmd_compiler.visualize import placement_str
+
+    torch.manual_seed(0)
+    model = TimeMajorAttention()
+    gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   (torch.randn(5, 4, 8), torch.randn(5, 4, 8)), input_batch_dim=1)
+    rows = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.meta.get(REGION) != Region.FORWARD or not isinstance(val, torch.Tensor):
+            continue
+        if n.meta.get(ROLE) in (Role.PARAM, Role.BUFFER) or n.target == aten.sub.Tensor:
+            continue  # the weights are R; the loss follows
+        target = str(n.target).removeprefix("aten.") if n.op == "call_function" else n.op
+        rows.append([n.name, target, "[" + ", ".join(str(s) for s in val.shape) + "]",
+                     placement_str(placement(n))])
+    return tabulate(rows, headers=["node", "op", "shape", "placement"], tablefmt="github")
+
+
+DOC_TABLES = {"seed": seed_placement_table, "attention": attention_placement_table}
+
+
+@pytest.mark.parametrize("name", list(DOC_TABLES))
+def test_doc_table_is_generated_from_the_code(name):
     text = DOC.read_text()
-    doc_table = text.split(TABLE_BEGIN)[1].split(TABLE_END)[0].strip()
-    assert doc_table == seed_placement_table(), (
+    doc_table = text.split(f"<!-- {name}-table-begin -->")[1].split(f"<!-- {name}-table-end -->")[0]
+    assert doc_table.strip() == DOC_TABLES[name](), (
         "docs/batch_dim.md is stale: regenerate with `python -m tests.test_batch_dim`")
 
 
 if __name__ == "__main__":
-    print(seed_placement_table())
+    for name, table in DOC_TABLES.items():
+        print(f"<!-- {name}-table-begin -->\n{table()}\n<!-- {name}-table-end -->\n")

@@ -80,7 +80,7 @@ def _input_change_on_rank1():
 @pytest.mark.parametrize("job, words", [
     (_different_model_on_rank1, ["parameters", "ranks [1]"]),
     (_different_optimizer_config_on_last_rank, ["optimizer"]),
-    (_input_change_on_rank1, ["ranks [1] need to recompile", "inputs"]),
+    (_input_change_on_rank1, ["ranks [1]", "inputs"]),
 ])
 def test_mismatch_raises_on_every_rank(pool, job, words):
     results = pool.run(job, timeout=120)

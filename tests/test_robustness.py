@@ -169,8 +169,7 @@ EXTRA_OPTIMIZERS = {
 # recorded as one graph.
 ITEM_OPTIMIZERS = {
     "RAdam": lambda m: torch.optim.RAdam(m.parameters(), lr=0.01),
-    # Not an .item() reader, but may also end in an SPMDError: in fully_shard its masked update
-    # (index_put_ on parameter shards) is outside the batch-dim analysis' rules.
+    # Not an .item() reader; its masked update (index_put_ with a boolean mask) runs on shards.
     "Rprop": lambda m: torch.optim.Rprop(m.parameters(), lr=0.01),
     "ASGD": lambda m: torch.optim.ASGD(m.parameters(), lr=0.01),
 }
@@ -867,9 +866,8 @@ def test_untested_optimizer_matches_ddp(pool, mode, case):
 def test_optimizer_reading_item_matches_or_raises_and_changes_nothing(pool, mode, case):
     """RAdam / ASGD: the first call (which creates the state, the step count still a constant)
     compiles and matches DDP; the second call's recompile hits the ``.item()`` and raises a
-    UnsupportedError naming the optimizer. Rprop: matches DDP in replicate; in fully_shard its masked
-    update raises a BatchDimError naming ``optim.step()``. Either way the failed call leaves the
-    state as it was."""
+    UnsupportedError naming the optimizer. Rprop matches DDP in both modes (its masked update is
+    elementwise on shards). Either way a failed call leaves the state as it was."""
     for rep in _case(pool, case, mode):
         raised = rep["facts"]["raised"]
         if raised is None:
@@ -1086,7 +1084,7 @@ DISAGREEMENTS = {
     "model": "parameters",
     "optimizer": "optimizer",
     "batch structure": "input structure",
-    "labels dtype": "need to recompile",
+    "labels dtype": "inputs",
 }
 
 

@@ -1,0 +1,235 @@
+"""The on-disk program cache (spmd_compiler/cache.py): a second run loads what the first one
+compiled and trains bit-identically; anything the program depends on that changed, a corrupt
+file or a stale one makes it compile again; ranks that disagree about a hit all compile.
+
+"A second run" is a fresh model, optimizer and compiled step in the same worker processes: the
+cache key holds no object identities, so this is what a restarted job sees.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from copy import deepcopy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tests.models import SimpleMLP, mse_step, train_step
+from tests.multirank import rank_data
+from tests.test_replicate import _Checker
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _train(step_fn, model, cache_dir, mode="replicate", steps=3, **options) -> dict:
+    """Train ``steps`` steps (Adam: a state-creating program, then the steady one); return the
+    final parameters, the compile and cache-hit counts and the spmd_compiler log."""
+    from spmd_compiler import DataParallel, spmd_compile
+
+    logger = logging.getLogger("spmd_compiler")
+    handler, level = _Messages(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        step = spmd_compile(DataParallel(mode, **options), cache_dir=cache_dir)(step_fn)
+        for i in range(steps):
+            step(model, opt, rank_data(300 + i, (8, 50), (8, 8)))
+        params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        return dict(params=params, compiles=step.compile_count, hits=step.cache_hits,
+                    log=handler.lines)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _fresh(cls=SimpleMLP):
+    torch.manual_seed(0)
+    return cls()
+
+
+def hit_and_miss_job(cache_dir: str, mode: str) -> dict:
+    first = _train(train_step, _fresh(), cache_dir, mode)
+    dist.barrier()  # every rank has written its files
+    files = sorted(os.listdir(cache_dir))
+    second = _train(train_step, _fresh(), cache_dir, mode)
+    out = dict(first=(first["compiles"], first["hits"]), second=(second["compiles"], second["hits"]),
+               files=len(files),
+               identical=all(torch.equal(first["params"][n], second["params"][n]) for n in first["params"]),
+               loaded_logged=any("loaded train_step" in m for m in second["log"]))
+    # Each of these changes what the program is: a miss, not a wrong program.
+    wide = _fresh()
+    wide.net1, wide.net2 = nn.Linear(50, 40), nn.Linear(40, 8)
+    out["changed model"] = _train(train_step, wide, cache_dir, mode)["hits"]
+    out["changed option"] = _train(train_step, _fresh(), cache_dir, mode, bucket_cap_mb=None)["hits"]
+    out["changed step"] = _train(mse_step, _fresh(), cache_dir, mode)["hits"]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_second_run_loads_the_programs_and_trains_identically(pool2, tmp_path, mode):
+    for rank, res in enumerate(pool2.run(hit_and_miss_job, str(tmp_path), mode, timeout=300)):
+        assert res["first"] == (2, 0), f"rank {rank}: {res}"
+        assert res["files"] == 4, f"rank {rank}: one file per program and rank expected: {res}"
+        assert res["second"] == (2, 2), f"rank {rank}: {res}"
+        assert res["identical"], f"rank {rank}: a loaded program trained differently"
+        assert res["loaded_logged"] or rank != 0, f"rank {rank}: {res}"  # logged on rank 0
+        for change in ("changed model", "changed option", "changed step"):
+            assert res[change] == 0, f"rank {rank}: {change} loaded a cached program: {res}"
+
+
+def bad_files_job(cache_dir: str) -> dict:
+    _train(train_step, _fresh(), cache_dir)
+    paths = [os.path.join(cache_dir, f) for f in sorted(os.listdir(cache_dir))]
+    dist.barrier()
+    if dist.get_rank() == 0:  # both ranks share the directory: damage every file once
+        for k, path in enumerate(paths):
+            with open(path, "r+b") as f:
+                data = bytearray(f.read())
+                if k % 2:
+                    data[len(data) // 2] ^= 0xFF  # a flipped byte: checksum mismatch
+                else:
+                    data = data[: len(data) // 3]  # a truncated write
+                f.seek(0)
+                f.write(data)
+                f.truncate()
+    dist.barrier()
+    damaged = _train(train_step, _fresh(), cache_dir)
+    reference = _train(train_step, _fresh(), None)
+    again = _train(train_step, _fresh(), cache_dir)  # the recompile rewrote them
+    return dict(damaged=damaged["hits"], again=again["hits"],
+                ignored=sum("ignored" in m for m in damaged["log"]),
+                correct=all(torch.equal(damaged["params"][n], reference["params"][n])
+                            for n in reference["params"]))
+
+
+def test_corrupt_files_are_ignored_and_rewritten(pool2, tmp_path):
+    for rank, res in enumerate(pool2.run(bad_files_job, str(tmp_path), timeout=300)):
+        assert res["damaged"] == 0 and res["correct"], f"rank {rank}: {res}"
+        assert res["ignored"] == (0 if rank else 2), f"rank {rank}: {res}"  # logged on rank 0
+        assert res["again"] == 2, f"rank {rank}: {res}"
+
+
+_MODEL_SOURCE = '''
+import torch.nn as nn
+
+
+class EditedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(50, 32)
+        self.net2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.net2(ACTIVATION(self.net1(x)))
+'''
+
+
+def _load_model_module(path: str):
+    name = "spmd_cache_test_model"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def stale_source_job(cache_dir: str) -> dict:
+    """The model's source file changes between two runs (same class, same parameters, another
+    activation): the stored program is stale; the new one must compute the new model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    path = os.path.join(cache_dir, "edited_model.py")
+    out = {}
+    # (sources of different lengths: a same-size rewrite within a second could be served from
+    # the stale __pycache__ by the import system itself)
+    for version, activation in enumerate(["nn.functional.relu", "nn.functional.leaky_relu"]):
+        if dist.get_rank() == 0:
+            with open(path, "w") as f:
+                f.write(_MODEL_SOURCE.replace("ACTIVATION", activation))
+        dist.barrier()
+        module = _load_model_module(path)
+        model = _fresh(module.EditedMLP)
+        ref = DDP(deepcopy(model))
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        res = _train(train_step, model, os.path.join(cache_dir, "programs"))
+        for i in range(3):
+            train_step(ref, ref_opt, rank_data(300 + i, (8, 50), (8, 8)))
+        chk = _Checker()
+        for name, p in ref.module.named_parameters():
+            chk.close("param", f"run {version}: {name}", res["params"][name], p.detach())
+        out[activation] = dict(hits=res["hits"], problems=chk.problems,
+                               stale=any("stale" in m for m in res["log"]))
+        dist.barrier()
+    return out
+
+
+def test_stale_program_is_recompiled(pool2, tmp_path):
+    for rank, res in enumerate(pool2.run(stale_source_job, str(tmp_path), timeout=300)):
+        relu, gelu = res["nn.functional.relu"], res["nn.functional.leaky_relu"]
+        assert relu["hits"] == 0 and not relu["problems"], f"rank {rank}: {res}"
+        assert gelu["hits"] == 0, f"rank {rank}: a program of the old source was loaded: {res}"
+        assert not gelu["problems"], f"rank {rank}: {gelu['problems']}"
+        assert gelu["stale"] or rank != 0, f"rank {rank}: staleness not logged: {res}"
+
+
+def ranks_disagree_job(cache_dir: str) -> dict:
+    """Each rank has its own cache directory; rank 1 loses its files before the second run:
+    rank 0 would hit, rank 1 miss. Both must compile, and train like DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mine = os.path.join(cache_dir, f"rank{dist.get_rank()}")
+    _train(train_step, _fresh(), mine)
+    if dist.get_rank() == 1:
+        for f in os.listdir(mine):
+            os.remove(os.path.join(mine, f))
+    dist.barrier()
+    model = _fresh()
+    ref = DDP(deepcopy(model))
+    res = _train(train_step, model, mine)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for i in range(3):
+        train_step(ref, ref_opt, rank_data(300 + i, (8, 50), (8, 8)))
+    chk = _Checker()
+    for name, p in ref.module.named_parameters():
+        chk.close("param", name, res["params"][name], p.detach())
+    return dict(hits=res["hits"], compiles=res["compiles"], problems=chk.problems)
+
+
+def test_ranks_that_disagree_about_a_hit_all_compile(pool2, tmp_path):
+    results = pool2.run(ranks_disagree_job, str(tmp_path), timeout=300)
+    for rank, res in enumerate(results):
+        assert res["hits"] == 0 and res["compiles"] == 2, f"rank {rank}: {res}"
+    for rank, res in enumerate(results):
+        assert not res["problems"], f"rank {rank}: {res['problems']}"
+
+
+def test_key_ignores_process_specific_hashes_and_follows_values():
+    """Keys are equal for equal programs in different processes (no ids, no hash() values)
+    and differ when a value the trace reads differs (a module attribute)."""
+    from spmd_compiler.cache import program_key
+    from spmd_compiler.tracing import split_step_args
+
+    def key(model, attr_value):
+        model.scale = attr_value
+        model.config_like = type("Config", (), {})()
+        model.config_like._original_object_hash = id(object())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sa = split_step_args((model, opt, (torch.randn(4, 50), torch.randn(4, 8))), {}, 0)
+        return program_key(fn=train_step, sa=sa, dynamic_dims={}, options={}, rank=0,
+                           world_size=2, group_name="0")
+
+    assert key(_fresh(), 1.0) == key(_fresh(), 1.0)
+    assert key(_fresh(), 1.0) != key(_fresh(), 2.0)
