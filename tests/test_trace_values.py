@@ -170,7 +170,7 @@ def test_a_mask_passed_in_unbatched_is_read_and_guarded_by_value(pg1):
             torch.testing.assert_close(p.to_local(), q, rtol=1e-5, atol=1e-6)
         counts.append(compiled.compile_count)
     assert counts == [1, 1, 2, 2, 2]  # one graph per mask value
-    specialized = [e.traced.specialized_inputs for e in compiled._cache[compiled._last_key]]
+    specialized = [e.traced.specialized_inputs for e in compiled._programs]
     assert [[k for k, _ in s] for s in specialized] == [[1], [1]]
 
 
