@@ -725,6 +725,9 @@ class Summary:
     peak_bytes: int  # liveness estimate, see estimate_peak_memory
     peak_node: str
     workspace_bytes: int = 0  # the static memory plan's workspace (passes/memory_plan.py)
+    # collectives a call issues (the lowered graph's, and the per-call agreement between ranks
+    # when the graph awaits it); None without a lowered graph
+    issued_per_call: int | None = None
     compile_times: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # per pass: what it did
 
@@ -763,7 +766,9 @@ class Summary:
                         + [["total", sum(self.compile_times.values())]]))
         if self.notes:
             out.append(("passes", ["pass", "what it did"], [[k, v] for k, v in self.notes.items()]))
-        out.insert(0, ("step", ["graph nodes", "sizes evaluated at"], [[self.num_nodes, hints]]))
+        out.insert(0, ("step", ["graph nodes", "sizes evaluated at", "collectives issued per call"],
+                       [[self.num_nodes, hints,
+                         "-" if self.issued_per_call is None else self.issued_per_call]]))
         return out
 
     def to_text(self) -> str:
@@ -878,7 +883,17 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         workspace_bytes=workspace_bytes,
         compile_times=dict(compile_times or {}),
         notes=dict(notes or {}),
+        issued_per_call=None if lowered is None else issued_per_call(lowered),
     )
+
+
+def issued_per_call(lowered: fx.GraphModule) -> int:
+    """Collectives one call of the lowered (eager) graph issues: its own (an all_gather lowered
+    to one broadcast per rank counts as those broadcasts) plus the per-call agreement between
+    ranks (one all_reduce) when the graph awaits it (``passes/rank_check.py``)."""
+    from spmd_compiler.consistency import await_agreement
+
+    return sum(is_collective(n) or n.target is await_agreement for n in lowered.graph.nodes)
 
 
 def write_summary(summary: Summary, dump_dir: str | Path) -> list[Path]:

@@ -61,17 +61,33 @@ def test_replicate_averages_every_gradient_before_the_optimizer_reads_it():
         assert [u.target for u in g.users] == [torch.ops.aten.div.Tensor], fqn
     gm.graph.lint()
 
-def test_replicate_broadcasts_buffers_from_rank0_first():
-    tr = _traced(BatchNormMLP())
+def test_replicate_broadcasts_written_buffers_from_rank0_first_in_one_collective():
+    model = BatchNormMLP()
+    model.register_buffer("table", torch.arange(4.0))  # read-only: nothing to broadcast
+    model.forward = lambda x, f=model.forward: f(x) + model.table.sum()
+    tr = _traced(model)
     gm = expand_replicate(tr.gm, group_name="g", world_size=2)
-    casts = _calls(gm, c10d.broadcast.default)
-    buffers = [n for n in gm.graph.nodes if n.meta.get(meta.ROLE) == meta.Role.BUFFER]
-    assert {c.args[0] for c in casts} == set(buffers) and all(c.args[1] == 0 for c in casts)
+    (cast,) = _calls(gm, c10d.broadcast.default)
+    assert cast.args[1:] == (0, "g")
+    assert cast.meta[meta.COLLECTIVE]["params"] == [
+        "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    assert cast.meta[meta.COLLECTIVE]["bytes"] == 32 * 4 * 2 + 8  # every dtype in one uint8 tensor
+    def from_cast(node):  # through the unpacking views and the wait to the broadcast
+        while node is not cast and node.op == "call_function":
+            node = node.args[0]
+        return node is cast
+
+    written = {n.args[0].meta[meta.PARAM_FQN] for n in _calls(gm, torch.ops.aten.copy_.default)
+               if n.args[0].meta.get(meta.ROLE) == meta.Role.BUFFER and from_cast(n.args[1])}
+    assert written == set(cast.meta[meta.COLLECTIVE]["params"])
     first_compute = next(n for n in gm.graph.nodes if n.op != "placeholder"
                          and n.meta.get(meta.ROLE) != meta.Role.COLLECTIVE
-                         and n.target is not torch.ops.aten.copy_.default)
+                         and n.target not in (torch.ops.aten.copy_.default, torch.ops.aten.reshape.default,
+                                              torch.ops.aten.view.dtype, torch.ops.aten.cat.default,
+                                              torch.ops.aten.slice.Tensor, torch.ops.aten.view.default))
     order = _order(gm)
-    assert all(order[c] < order[first_compute] for c in casts)
+    assert order[cast] < order[first_compute]
+    gm.graph.lint()
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_fully_shard_gathers_and_reduce_scatters(reshard):
@@ -208,8 +224,9 @@ def test_rank_check_runs_before_any_collective_or_state_update(model):
     assert not mutating
     if model == "mlp":  # the whole forward and backward overlap the check's message
         assert [n for n in before if n.meta.get(meta.ROLE) == meta.Role.GRAD]
-    else:  # buffers are broadcast first: the check goes before that
-        assert not [n for n in before if n.op == "call_function"]
+    else:  # buffers are broadcast first: the check goes before that (after their packing)
+        packing = {torch.ops.aten.reshape.default, torch.ops.aten.view.dtype, torch.ops.aten.cat.default}
+        assert not [n for n in before if n.op == "call_function" and n.target not in packing]
     gm.graph.lint()
 
 
