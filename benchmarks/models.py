@@ -331,6 +331,28 @@ def _image_batch(gen: torch.Generator, b: int) -> Batch:
     return torch.randn(b, 3, 64, 64, generator=gen), torch.randint(0, 10, (b,), generator=gen)
 
 
+class ConvNetBN(nn.Module):
+    """A small CNN with BatchNorm: three conv-BatchNorm-ReLU stages, global pooling, a linear head
+    (six BatchNorm buffers, which DDP broadcasts every step)."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64), classes: int = 10):
+        super().__init__()
+        layers, c_in = [], 3
+        for i, c in enumerate(widths):
+            layers += [nn.Conv2d(c_in, c, 3, stride=1 if i == 0 else 2, padding=1, bias=False),
+                       nn.BatchNorm2d(c), nn.ReLU()]
+            c_in = c
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c_in, classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean([-2, -1]))
+
+
+def _small_image_batch(gen: torch.Generator, b: int) -> Batch:
+    return torch.randn(b, 3, 32, 32, generator=gen), torch.randint(0, 10, (b,), generator=gen)
+
+
 # --- memory workloads -----------------------------------------------------------------------
 
 
@@ -393,6 +415,33 @@ MODELS: dict[str, ModelSpec] = {
             _sum_loss,
             batch=65536,
             blocks=(nn.Linear,),
+        ),
+        ModelSpec(
+            "simple_mlp_b32",
+            "SimpleMLP as above at batch 32 (latency-bound)",
+            SimpleMLP,
+            _mlp_batch,
+            _sum_loss,
+            batch=32,
+            blocks=(nn.Linear,),
+        ),
+        ModelSpec(
+            "simple_mlp_b128",
+            "SimpleMLP as above at batch 128 (latency-bound)",
+            SimpleMLP,
+            _mlp_batch,
+            _sum_loss,
+            batch=128,
+            blocks=(nn.Linear,),
+        ),
+        ModelSpec(
+            "convnet_bn",
+            "ConvNet conv-BatchNorm-ReLU x3 (16-32-64), 32x32 images, cross-entropy",
+            ConvNetBN,
+            _small_image_batch,
+            F.cross_entropy,
+            batch=32,
+            blocks=(nn.Conv2d,),
         ),
         ModelSpec(
             "toy",

@@ -111,6 +111,7 @@ def add_comparisons(records: list[dict]) -> float | None:
     for r in ok.values():
         m = r["step_ms"]["median"]
         r["ratio_to_ddp"] = m / median["ddp"] if "ddp" in median else None
+        r["ratio_to_ddp_tuned"] = m / median["ddp_tuned"] if "ddp_tuned" in median else None
         r["ratio_to_fsdp2"] = m / median["fsdp2"] if "fsdp2" in median else None
         r["ratio_to_lower_bound"] = m / lower if lower else None
         r["ratio_to_shared_core_bound"] = m / shared if shared and not r["sharded"] else None
