@@ -50,6 +50,15 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
     return out
 
 
+def _by_dtype(members: list[_Member]) -> list[list[_Member]]:
+    """The members split by dtype (a flat bucket holds one dtype; mixed precision gathers some
+    parameters in bf16 next to others in fp32), each list in graph order."""
+    groups: dict[torch.dtype, list[_Member]] = {}
+    for m in members:
+        groups.setdefault(m.source.meta["val"].dtype, []).append(m)
+    return list(groups.values())
+
+
 def _buckets(members: list[_Member], cap: int, first_cap: int, depends_on) -> list[list[_Member]]:
     """Consecutive members (graph order) up to ``cap`` bytes (``first_cap`` for the first bucket);
     a member whose input depends on an earlier member's result starts a new bucket."""
@@ -109,7 +118,7 @@ def bucket_collectives(
     index), and per member a slice + view of the result replacing the member's wait; the
     per-member collectives are erased. Buckets follow graph order (gradient production order),
     the first one small so communication starts early, and never merge collectives that depend
-    on each other.
+    on each other. A bucket holds one dtype.
     """
     graph = gm.graph
     cap, first_cap = int(bucket_cap_mb * MB), int(first_bucket_cap_mb * MB)
@@ -119,20 +128,17 @@ def bucket_collectives(
         (c10d.all_reduce.default, _merge_all_reduce),
         (c10d.reduce_scatter_tensor.default, _merge_reduce_scatter),
     ):
-        members = _members(graph, target, own_cap)
-        if not members:
-            continue
-        for bucket in _buckets(members, cap, first_cap, _dependency_check(graph, members)):
-            merge(graph, bucket, index)
-            index += 1
+        for members in _by_dtype(_members(graph, target, own_cap)):
+            for bucket in _buckets(members, cap, first_cap, _dependency_check(graph, members)):
+                merge(graph, bucket, index)
+                index += 1
     for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
-        members = [m for m in _members(graph, c10d.all_gather_into_tensor.default, own_cap)
+        gathers = [m for m in _members(graph, c10d.all_gather_into_tensor.default, own_cap)
                    if m.issue.meta.get(meta.REGION) == region]
-        if not members:
-            continue
-        for bucket in _buckets(members, cap, cap, _dependency_check(graph, members)):
-            _merge_all_gather(graph, bucket, index)
-            index += 1
+        for members in _by_dtype(gathers):
+            for bucket in _buckets(members, cap, cap, _dependency_check(graph, members)):
+                _merge_all_gather(graph, bucket, index)
+                index += 1
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -203,7 +209,8 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) ->
         flat = _flatten_cat(graph, bucket, lambda m: [world, -1], 1, last)
         flat = insert_call(graph, aten.view.default, (flat, [-1]),
                            val=flat.meta["val"].reshape(-1), region=flat.meta.get(meta.REGION))
-        flat = insert_call(graph, aten.div.Tensor, (flat, world), like=flat)
+        if any(m.scale is not None for m in bucket):  # divided before the sum (DDP's order)
+            flat = insert_call(graph, aten.div.Tensor, (flat, world), like=flat)
         total = _numel(flat) // world
         local_val = flat.meta["val"][:total]
         done = insert_collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group),
@@ -231,6 +238,10 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) ->
 def _merge_all_gather(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
     first = bucket[0].issue
     _, world, group = first.args
+    for m in bucket:  # a shard cast to the gather dtype (mixed precision) moves to the bucket
+        if m.source.op == "call_function" and all(
+                a.op == "placeholder" for a in m.source.all_input_nodes):
+            first.prepend(m.source)
     with graph.inserting_before(first):
         flat = _flatten_cat(graph, bucket, lambda m: [-1], 0, first)
         total = _numel(flat)

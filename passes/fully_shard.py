@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
-from .collectives import aten, c10d, insert_call, insert_collective
+from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
 from .replicate import broadcast_buffers_from_rank0
 
 _VIEW_OR_CAST = {
@@ -52,11 +52,14 @@ def _first(nodes, order):
 
 
 def _gather(graph, shard, full_val, world, group_name, before, region, fqn):
-    """all_gather + wait (+ narrow away the padding) before ``before``; return the full param."""
+    """all_gather + wait (+ narrow away the padding) before ``before``; return the full param.
+    A ``full_val`` of another dtype than the shard's gathers the shard cast to it."""
     n = full_val.shape[0]
     rows = shard_rows(n, world)
     padded_val = full_val.new_empty((rows * world,) + tuple(full_val.shape[1:]))
     with graph.inserting_before(before):
+        if full_val.dtype != shard.meta["val"].dtype:
+            shard = insert_cast(graph, shard, full_val.dtype, region=region)
         gathered = insert_collective(
             graph, c10d.all_gather_into_tensor.default, (shard, world, group_name),
             val=padded_val, region=region, kind="all_gather", params=[fqn],
@@ -66,6 +69,17 @@ def _gather(graph, shard, full_val, world, group_name, before, region, fqn):
                                    region=region)
     gathered.meta[meta.PARAM_FQN] = fqn
     return gathered
+
+
+def _sole_cast(users: list[fx.Node]) -> fx.Node | None:
+    """One of ``users`` if every one is the same plain cast (``_to_copy(p, dtype=d)``, as mixed
+    precision records), else None."""
+    keys = {(u.target, len(u.args), tuple(sorted(u.kwargs.items()))) for u in users}
+    if len(keys) != 1:
+        return None
+    target, nargs, kwargs = keys.pop()
+    return users[0] if target is aten._to_copy.default and nargs == 1 and (
+        [k for k, _ in kwargs] == ["dtype"]) else None
 
 
 def _forward_chain(full: fx.Node) -> list[fx.Node]:
@@ -85,7 +99,8 @@ def _forward_chain(full: fx.Node) -> list[fx.Node]:
 
 def expand_fully_shard(
     gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
-    broadcast_buffers: bool = True,
+    broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
+    divide_after_sum: bool = False,
 ) -> fx.GraphModule:
     """Turn a traced (unsharded) step into the fully_shard step.
 
@@ -97,6 +112,12 @@ def expand_fully_shard(
     ``reduce_scatter``-ed, its optimizer uses reading the shard (the wait, marked SYNCED_GRAD);
     reductions over shards inside the optimizer region (e.g. a global grad norm) get the
     all_reduce that makes them whole. Buffers are broadcast from rank 0 as in replicate.
+
+    A parameter whose every use outside the optimizer is the same cast (mixed precision's
+    ``param_dtype``) is gathered in the cast dtype: the shard is cast before each gather, as
+    FSDP2 does, and the gathered tensor replaces the casts. With ``reduce_dtype`` a gradient of
+    another dtype is cast to it before the division and back after the reduce-scatter. With
+    ``divide_after_sum`` the reduced sum is divided instead of each rank's gradient.
     """
     graph = gm.graph
     world = world_size
@@ -131,10 +152,19 @@ def expand_fully_shard(
             continue
         forward = [u for u in compute if u.meta.get(meta.REGION) == meta.Region.FORWARD]
         first = _first(forward or compute, order)
+        cast = _sole_cast(compute)
+        if cast is not None:
+            full_val = cast.meta["val"]
         full = _gather(graph, param, full_val, world, group_name, first,
                        first.meta.get(meta.REGION), fqn)
         for u in compute:
-            u.replace_input_with(param, full)
+            if cast is not None:
+                u.replace_all_uses_with(full)
+                graph.erase_node(u)
+            else:
+                u.replace_input_with(param, full)
+        if cast is not None:
+            forward = [u for u in full.users if u.meta.get(meta.REGION) == meta.Region.FORWARD]
         if not reshard_after_forward or not forward:
             continue
         derived = [full] + _forward_chain(full)
@@ -163,29 +193,39 @@ def expand_fully_shard(
         users = list(grad.users)
         val = grad.meta["val"]
         region = grad.meta.get(meta.REGION)
+        cast = reduce_dtype is not None and reduce_dtype != val.dtype
         with graph.inserting_before(grad.next):
+            x = insert_cast(graph, grad, reduce_dtype) if cast else grad
             if fqn in params:
                 rows = shard_rows(val.shape[0], world)
                 pad = rows * world - val.shape[0]
-                x = grad
                 if pad:
-                    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
+                    xval = x.meta["val"]
+                    padded_val = xval.new_empty((rows * world,) + tuple(val.shape[1:]))
                     x = insert_call(graph, aten.constant_pad_nd.default,
-                                    (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
+                                    (x, [0, 0] * (val.dim() - 1) + [0, pad]),
                                     val=padded_val, region=region)
-                x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
+                if not divide_after_sum:
+                    x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
                 reduced = insert_collective(
                     graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
-                    val=_shard_val(val, world), region=region, kind="reduce_scatter", params=[fqn],
+                    val=_shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
+                    params=[fqn],
                 )
                 reduced.meta[meta.PLACEMENT] = Shard(0)
-                reduced.meta[LOGICAL_SHAPE] = tuple(val.shape)
             else:
-                x = insert_call(graph, aten.div.Tensor, (grad, world), like=grad)
+                if not divide_after_sum:
+                    x = insert_call(graph, aten.div.Tensor, (x, world), like=x)
                 reduced = insert_collective(
                     graph, c10d.all_reduce.default, (x, "sum", group_name),
-                    val=val, region=region, kind="all_reduce", params=[fqn],
+                    val=x.meta["val"], region=region, kind="all_reduce", params=[fqn],
                 )
+        reduced = finish_reduction(graph, reduced, users,
+                                   divide_by=world if divide_after_sum else None,
+                                   dtype=val.dtype if cast else None)
+        if fqn in params:
+            reduced.meta[meta.PLACEMENT] = Shard(0)
+            reduced.meta[LOGICAL_SHAPE] = tuple(val.shape)
         reduced.meta[meta.SYNCED_GRAD] = fqn
         for u in users:
             u.replace_input_with(grad, reduced)

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from . import meta
-from .collectives import aten, c10d, insert_call, insert_collective
+from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
 
 
 def expand_replicate(
-    gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True
+    gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True,
+    reduce_dtype: torch.dtype | None = None, divide_after_sum: bool = False,
 ) -> fx.GraphModule:
     """Insert the collectives that make a traced step DDP's data-parallel step.
 
     Reads: ROLE (GRAD nodes, BUFFER placeholders), PARAM_FQN, REGION, node.meta["val"].
     Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
     (DDP divides before it sums); every later use of the gradient reads the averaged value
-    (the wait node, marked SYNCED_GRAD).
+    (the wait node, marked SYNCED_GRAD). With ``reduce_dtype`` (mixed precision) a gradient of
+    another dtype is cast to it before the division and back after the wait (the cast back is
+    then the SYNCED_GRAD node). With ``divide_after_sum`` the sum is divided instead (FSDP2's
+    order: ``ReduceOp.AVG``).
     With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
     of the step (DDP's default). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
     """
@@ -26,13 +31,19 @@ def expand_replicate(
     for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
         users = list(grad.users)
         val = grad.meta["val"]
+        cast = reduce_dtype is not None and reduce_dtype != val.dtype
         with graph.inserting_before(grad.next):  # inserting_before keeps insertion order
-            scaled = insert_call(graph, aten.div.Tensor, (grad, world_size), like=grad)
+            x = insert_cast(graph, grad, reduce_dtype) if cast else grad
+            scaled = x if divide_after_sum else insert_call(
+                graph, aten.div.Tensor, (x, world_size), like=x)
             averaged = insert_collective(
                 graph, c10d.all_reduce.default, (scaled, "sum", group_name),
-                val=val, region=grad.meta.get(meta.REGION), kind="all_reduce",
+                val=x.meta["val"], region=grad.meta.get(meta.REGION), kind="all_reduce",
                 params=[grad.meta[meta.PARAM_FQN]],
             )
+        averaged = finish_reduction(graph, averaged, users,
+                                    divide_by=world_size if divide_after_sum else None,
+                                    dtype=val.dtype if cast else None)
         averaged.meta[meta.SYNCED_GRAD] = grad.meta[meta.PARAM_FQN]
         for user in users:
             user.replace_input_with(grad, averaged)

@@ -38,6 +38,7 @@ from . import cache
 from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import DataParallel
+from .mixed_precision import check_policy, reduce_dtype_of
 from .eager import attach as attach_eager_use, refuse_bound
 from .consistency import (
     CACHED,
@@ -169,6 +170,7 @@ class CompiledStep:
         """Build the graph (or load it from the disk cache), check that every rank has the same,
         then place the live state."""
         group = mesh.get_group()
+        check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._dims_to_trace_dynamic(sa, group)
             disk_key, stored = self._load_program(sa, dynamic, group)
@@ -375,7 +377,8 @@ class CompiledStep:
         t = time.perf_counter()
         traced = trace_step(self.fn, (), {}, step_args=sa,
                             fuse_optimizer=self.parallel_mode.fuse_optimizer,
-                            dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic)
+                            dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic,
+                            mp_policy=self.parallel_mode.mp_policy)
         _log_specializations(traced, sa)
         stage("traced", traced.gm, t)
 
@@ -403,6 +406,8 @@ class CompiledStep:
                     traced.gm, group_name=group_name, world_size=world_size,
                     reshard_after_forward=mode.reshard_after_forward,
                     broadcast_buffers=mode.broadcast_buffers,
+                    reduce_dtype=reduce_dtype_of(mode.mp_policy),
+                    divide_after_sum=mode.divide_gradients == "after",
                 )
             except ShardingError as e:
                 raise UnsupportedError(str(e)) from e
@@ -410,6 +415,8 @@ class CompiledStep:
             gm = expand_replicate(
                 traced.gm, group_name=group_name, world_size=world_size,
                 broadcast_buffers=mode.broadcast_buffers,
+                reduce_dtype=reduce_dtype_of(mode.mp_policy),
+                divide_after_sum=mode.divide_gradients == "after",
             )
         if mode.keep_grads:
             gm = output_gradients(gm)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import SPMDError
+from .mixed_precision import check_policy
 
 _STYLES = ("replicate", "fully_shard")
 
@@ -75,6 +76,17 @@ class DataParallel:
             changed since the last compile is compiled as a symbolic size on the recompile, so
             a new length compiles once more and then never again. A dim that differs across
             ranks is always compiled as a symbolic size on every rank.
+        mp_policy: mixed precision, FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``:
+            the forward and backward compute with the parameters cast to ``param_dtype``
+            (fully_shard gathers them in it), gradients are reduced in ``reduce_dtype`` (default
+            ``param_dtype``), inputs and outputs of the model are cast as the policy says; the
+            parameters and optimizer state keep their dtype. ``reduce_dtype`` alone reduces
+            gradients in that dtype. See docs/training_features.md.
+        divide_gradients: ``"before"`` (DDP's order, default): each rank divides its gradient
+            by the world size and the ranks sum the quotients; ``"after"`` (FSDP2's order for
+            float32/bfloat16 reductions, ``ReduceOp.AVG``): the ranks sum their gradients and the
+            sum is divided. Same average up to round-off; "before" cannot overflow a float16
+            sum, "after" rounds once.
     """
 
     parallel_style: str = "replicate"
@@ -94,6 +106,8 @@ class DataParallel:
     activation_memory_budget: float | None = None
     dynamic_dims: Any = None
     automatic_dynamic: bool = True
+    mp_policy: Any = None
+    divide_gradients: str = "before"
 
     def __post_init__(self):
         budget = self.activation_memory_budget
@@ -101,6 +115,10 @@ class DataParallel:
             raise SPMDError(
                 f"DataParallel: activation_memory_budget must be a fraction between 0 and 1 "
                 f"(or None), got {budget!r}")
+        check_policy(self.mp_policy)
+        if self.divide_gradients not in ("before", "after"):
+            raise SPMDError(f"DataParallel: divide_gradients must be 'before' or 'after', got "
+                            f"{self.divide_gradients!r}")
         if self.parallel_style not in _STYLES:
             raise SPMDError(
                 f"DataParallel: unknown parallel_style {self.parallel_style!r}; "

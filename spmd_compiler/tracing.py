@@ -56,6 +56,7 @@ from .errors import (
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
+from .mixed_precision import cast_forward
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -521,13 +522,15 @@ def _global_meta(t: torch.Tensor):
 def trace_step(
     fn: Callable, args: tuple, kwargs: dict | None = None, input_batch_dim: Any = 0,
     *, step_args: StepArgs | None = None, fuse_optimizer: bool = False,
-    dynamic_dims: Mapping[int, Iterable[int]] | None = None,
+    dynamic_dims: Mapping[int, Iterable[int]] | None = None, mp_policy=None,
 ) -> TracedStep:
     """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
 
     With ``fuse_optimizer``, SGD/Adam/AdamW param groups are recorded with their fused
     implementation (one ``_fused_*_`` node per group and dtype) whatever ``foreach``/``fused``
-    they name: the same update, in one pass over the parameters.
+    they name: the same update, in one pass over the parameters. With ``mp_policy`` (FSDP2's
+    ``MixedPrecisionPolicy``) the module's forward is recorded with its parameters, inputs and
+    outputs cast as the policy says (spmd_compiler/mixed_precision.py).
 
     The batch dim of every input is a symbolic size; so is every dim in ``dynamic_dims``
     (argument leaf index -> dims, e.g. a sequence length), each with its own symbol. A dynamic
@@ -543,7 +546,7 @@ def trace_step(
     dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
     entangled: list[tuple[int, int, str]] = []
     while True:
-        traced = _record_step(fn, sa, fuse_optimizer, dynamic)
+        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy)
         tied = _dims_tied_to_batch(traced, sa)
         if not tied:
             traced.entangled = entangled
@@ -615,7 +618,7 @@ class _InputShapeEnv(ShapeEnv):
 
 
 def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
-                 dynamic_dims: dict[int, tuple[int, ...]]) -> TracedStep:
+                 dynamic_dims: dict[int, tuple[int, ...]], mp_policy=None) -> TracedStep:
     """One make_fx recording of the step (see ``trace_step``)."""
     module = sa.module
 
@@ -716,7 +719,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         with _reparametrize_module(module, by_name, strict=False), _tag_regions(), \
                 _refuse_reentrant_checkpoint(), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
-        ), reads, _compiling_forward(module):
+        ), reads, _compiling_forward(module), cast_forward(module, mp_policy):
             out = fn(*call_args, **call_kwargs)
             new_states = []
             for opt in sa.optimizers:
