@@ -100,7 +100,7 @@ def _forward_chain(full: fx.Node) -> list[fx.Node]:
 def expand_fully_shard(
     gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
     broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
-    divide_after_sum: bool = False,
+    divide_after_sum: bool = False, sync_grads: bool = True,
 ) -> fx.GraphModule:
     """Turn a traced (unsharded) step into the fully_shard step.
 
@@ -118,6 +118,8 @@ def expand_fully_shard(
     FSDP2 does, and the gathered tensor replaces the casts. With ``reduce_dtype`` a gradient of
     another dtype is cast to it before the division and back after the reduce-scatter. With
     ``divide_after_sum`` the reduced sum is divided instead of each rank's gradient.
+    ``sync_grads=False`` (a step that only accumulates gradients) leaves the gradients whole
+    and local: no reduce-scatter.
     """
     graph = gm.graph
     world = world_size
@@ -188,7 +190,8 @@ def expand_fully_shard(
                 if d in u.all_input_nodes:
                     u.replace_input_with(d, again[d])
 
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
+    grads = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]
+    for grad in grads if sync_grads else []:
         fqn = grad.meta[meta.PARAM_FQN]
         users = list(grad.users)
         val = grad.meta["val"]

@@ -12,6 +12,7 @@ from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast,
 def expand_replicate(
     gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True,
     reduce_dtype: torch.dtype | None = None, divide_after_sum: bool = False,
+    sync_grads: bool = True,
 ) -> fx.GraphModule:
     """Insert the collectives that make a traced step DDP's data-parallel step.
 
@@ -21,14 +22,16 @@ def expand_replicate(
     (the wait node, marked SYNCED_GRAD). With ``reduce_dtype`` (mixed precision) a gradient of
     another dtype is cast to it before the division and back after the wait (the cast back is
     then the SYNCED_GRAD node). With ``divide_after_sum`` the sum is divided instead (FSDP2's
-    order: ``ReduceOp.AVG``).
+    order: ``ReduceOp.AVG``). ``sync_grads=False`` (a step that only accumulates gradients)
+    inserts no gradient collective.
     With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
     of the step (DDP's default). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
     """
     graph = gm.graph
     if broadcast_buffers:
         broadcast_buffers_from_rank0(graph, group_name, world_size)
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
+    grads = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]
+    for grad in grads if sync_grads else []:
         users = list(grad.users)
         val = grad.meta["val"]
         cast = reduce_dtype is not None and reduce_dtype != val.dtype

@@ -8,6 +8,7 @@ The seed spelling ``compile(parallel_mode=...)(train_step)`` is the same thing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -39,6 +40,7 @@ from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import DataParallel
 from .mixed_precision import check_policy, reduce_dtype_of
+from .accumulation import ACCUMULATE, APPLY
 from .eager import attach as attach_eager_use, refuse_bound
 from .consistency import (
     CACHED,
@@ -116,6 +118,31 @@ class CompiledStep:
         self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
+        self._no_sync = False  # inside no_sync(): calls only accumulate gradients
+        self._accumulated: dict[str, torch.Tensor] = {}  # parameter -> this rank's gradient
+
+    # -- gradient accumulation across calls -----------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Calls of the step inside this block run its forward and backward only: gradients
+        accumulate on each rank (kept by the step, not in ``p.grad``), with no communication and
+        no optimizer update; the step's ``zero_grad`` does nothing. The next call outside the
+        block adds its own gradients to them, syncs once and updates (DDP's ``no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``). See spmd_compiler/accumulation.py."""
+        outer, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = outer
+
+    def _accumulation(self) -> str | None:
+        if self._no_sync:
+            return ACCUMULATE
+        return APPLY if self._accumulated else None
+
+    def _step_key(self, sa: StepArgs) -> tuple:
+        return step_key(sa) + (("gradient accumulation", self._accumulation()),)
 
     # -- calling ------------------------------------------------------------------------------
 
@@ -135,7 +162,7 @@ class CompiledStep:
                 agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
             raise
         mesh = default_mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
-        key = step_key(sa)
+        key = self._step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         hparams = lifted_hparams(sa)
         fits = [k for k, e in enumerate(self._programs)
@@ -153,7 +180,7 @@ class CompiledStep:
                                               running=choice)
                 try:
                     with torch.no_grad(), agreement_in_flight(pending):
-                        return self._programs[choice](sa, mesh, hparams)
+                        return self._programs[choice](sa, mesh, hparams, self._accumulated)
                 except Redispatch as r:
                     choice = r.choice
             else:
@@ -162,7 +189,7 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            return entry(sa, mesh, hparams)
+            return entry(sa, mesh, hparams, self._accumulated)
 
     # -- compiling ----------------------------------------------------------------------------
 
@@ -199,7 +226,7 @@ class CompiledStep:
         place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard",
                     self.parallel_mode.param_init_fn, torch.device(mesh.device_type))
         attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
-        key = step_key(sa)
+        key = self._step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager",
                               summary=summary)
@@ -232,7 +259,7 @@ class CompiledStep:
     def _disk_cache(self) -> str | None:
         """The program cache directory, if the cache applies to this step (eager backend, no
         per-stage dumps, which need a real compile)."""
-        if self.backend != "eager" or self.dump_dir:
+        if self.backend != "eager" or self.dump_dir or self._accumulation():
             return None
         return cache_dir_from(self.cache_dir)
 
@@ -378,7 +405,8 @@ class CompiledStep:
         traced = trace_step(self.fn, (), {}, step_args=sa,
                             fuse_optimizer=self.parallel_mode.fuse_optimizer,
                             dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic,
-                            mp_policy=self.parallel_mode.mp_policy)
+                            mp_policy=self.parallel_mode.mp_policy,
+                            accumulation=self._accumulation())
         _log_specializations(traced, sa)
         stage("traced", traced.gm, t)
 
@@ -408,6 +436,7 @@ class CompiledStep:
                     broadcast_buffers=mode.broadcast_buffers,
                     reduce_dtype=reduce_dtype_of(mode.mp_policy),
                     divide_after_sum=mode.divide_gradients == "after",
+                    sync_grads=self._accumulation() != ACCUMULATE,
                 )
             except ShardingError as e:
                 raise UnsupportedError(str(e)) from e
@@ -417,6 +446,7 @@ class CompiledStep:
                 broadcast_buffers=mode.broadcast_buffers,
                 reduce_dtype=reduce_dtype_of(mode.mp_policy),
                 divide_after_sum=mode.divide_gradients == "after",
+                sync_grads=self._accumulation() != ACCUMULATE,
             )
         if mode.keep_grads:
             gm = output_gradients(gm)

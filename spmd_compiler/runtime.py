@@ -470,8 +470,11 @@ class CompiledGraph:
         # what ShapeEnv.evaluate_guards_expression does, with the expression compiled once
         return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(inputs)}}))
 
-    def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float]) -> Any:
-        """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``."""
+    def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
+                 accumulated: dict[str, torch.Tensor] | None = None) -> Any:
+        """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``.
+        ``accumulated`` holds the gradients of a graph that takes (``grads_in``) or returns
+        (``grads_out``) them (spmd_compiler/accumulation.py); updated in place."""
         tr = self.traced
         module = sa.module
         params = _named_unique(module.named_parameters(remove_duplicate=False))
@@ -489,6 +492,10 @@ class CompiledGraph:
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
                  for v, as_tensor in zip(hparams, tr.hparam_tensors)]
         flat += [sa.leaves[i] for i in sa.input_indices]
+        if tr.grads_in:
+            flat += [accumulated[n] if n in accumulated else torch.zeros(
+                params[n].shape, dtype=params[n].dtype, device=local_buffer(params[n]).device)
+                for n in tr.grads_in]
         if self.kept_grads:
             for fqn in self.kept_grads:  # free the last step's before this one makes new ones
                 params[fqn].grad = None
@@ -508,6 +515,11 @@ class CompiledGraph:
             for (fqn, k), t in zip(tr.new_state_keys, outs[n_out:]):
                 p = params[fqn]
                 opt_of[id(p)].state[p][k] = state_from_local(t, p, mesh)
+        if tr.grads_out:
+            start = n_out + len(tr.new_state_keys)
+            accumulated.update(zip(tr.grads_out, outs[start:start + len(tr.grads_out)]))
+        elif tr.grads_in:  # synced and applied
+            accumulated.clear()
         if self.kept_grads:
             grads = outs[len(outs) - len(self.kept_grads):]
             for fqn, g in zip(self.kept_grads, grads):

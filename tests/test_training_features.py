@@ -258,10 +258,11 @@ def _reference_accumulate(model, optim, micro_batches, no_sync):
     return total
 
 
-def accumulation_job(style: str) -> dict:
+def accumulation_job(style: str, mixed: bool = False) -> dict:
     """The compiled micro-batch step against DDP with ``no_sync()`` (replicate) or FSDP2 with
     ``set_requires_gradient_sync(False)`` (fully_shard) for all but the last micro-batch. Also
-    returns the number of gradient collectives in the compiled graph."""
+    returns the number of gradient collectives in the compiled graph. ``mixed``: both sides with
+    bf16 parameters and fp32 reduction (fully_shard only)."""
     import contextlib
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -275,8 +276,12 @@ def accumulation_job(style: str) -> dict:
     torch.manual_seed(0)
     model = SimpleMLP()
     ref = deepcopy(model)
+    policy = _policy(torch.bfloat16, torch.float32) if mixed else None
     if style == "fully_shard":
-        fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)))
+        if mixed:
+            fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)), mp_policy=policy)
+        else:
+            fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)))
 
         @contextlib.contextmanager
         def no_sync(skip):
@@ -288,7 +293,9 @@ def accumulation_job(style: str) -> dict:
         no_sync = lambda skip: ref.no_sync() if skip else contextlib.nullcontext()  # noqa: E731
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    compiled = spmd_compile(DataParallel(style, bucket_cap_mb=None))(accumulate_step)
+    compiled = spmd_compile(DataParallel(style, bucket_cap_mb=None, mp_policy=policy,
+                                         divide_gradients="after" if mixed else "before"))(
+        accumulate_step)
 
     chk = _Checker(1e-5, 1e-6)
     for i in range(STEPS):
@@ -311,11 +318,93 @@ def accumulation_job(style: str) -> dict:
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
-@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
-def test_micro_batch_accumulation_syncs_once(pool, style, record_property):
-    for rank, rep in enumerate(pool.run(accumulation_job, style, timeout=600)):
+@pytest.mark.parametrize("style,mixed", [("replicate", False), ("fully_shard", False),
+                                         ("fully_shard", True)],
+                         ids=["replicate", "fully_shard", "fully_shard-bf16"])
+def test_micro_batch_accumulation_syncs_once(pool, style, mixed, record_property):
+    for rank, rep in enumerate(pool.run(accumulation_job, style, mixed, timeout=600)):
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], (
             f"{style} accumulation differs on rank {rank}:\n  " + "\n  ".join(rep["problems"][:20]))
         # one gradient collective per parameter (bucketing off), not one per micro-batch
         assert rep["grad_syncs"] == rep["params"], rep
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradient accumulation across calls: step.no_sync()
+# --------------------------------------------------------------------------------------------------
+
+CALLS_PER_UPDATE = 3
+
+
+def no_sync_job(style: str) -> dict:
+    """``CALLS_PER_UPDATE - 1`` calls of the compiled step inside ``no_sync()``, then one outside,
+    against DDP (``no_sync()`` around forward+backward) or FSDP2
+    (``set_requires_gradient_sync(False)``) doing the same forward/backwards and one optimizer
+    step; parameters must not move inside ``no_sync``."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    ws = dist.get_world_size()
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    ref = deepcopy(model)
+    if style == "fully_shard":
+        fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)))
+
+        @contextlib.contextmanager
+        def no_sync(skip):
+            ref.set_requires_gradient_sync(not skip)
+            yield
+            ref.set_requires_gradient_sync(True)
+    else:
+        ref = DDP(ref)
+        no_sync = lambda skip: ref.no_sync() if skip else contextlib.nullcontext()  # noqa: E731
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
+    compiled = spmd_compile(DataParallel(style))(mse_step)
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    chk = _Checker(1e-5, 1e-6)
+    for i in range(STEPS):
+        ref_opt.zero_grad()
+        for k in range(CALLS_PER_UPDATE):
+            x, y = rank_data(600 + 10 * i + k, (BATCH, 50), (BATCH, 8))
+            skip = k < CALLS_PER_UPDATE - 1
+            before = [full(p).clone() for p in model.parameters()] if skip else None
+            with compiled.no_sync() if skip else contextlib.nullcontext():
+                loss = compiled(model, opt, (x.clone(), y.clone()))
+            with no_sync(skip):
+                ref_loss = torch.nn.functional.mse_loss(ref(x), y)
+                ref_loss.backward()
+            chk.close("loss", f"update {i} call {k}: loss", loss, ref_loss.detach())
+            if skip:
+                chk.check(all(torch.equal(a, full(p)) for a, p in zip(before, model.parameters())),
+                          f"update {i} call {k}: parameters moved inside no_sync")
+        ref_opt.step()
+        if style == "fully_shard":
+            compare_with_reference(chk, f"update {i}", model, opt, ref, ref_opt)
+        else:
+            from tests.test_replicate import compare_with_ddp
+
+            compare_with_ddp(chk, i, model, opt, ref.module, ref_opt)
+    return dict(max_err=chk.max_err, problems=chk.problems, compiles=compiled.compile_count)
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_no_sync_accumulates_across_calls(pool, style, record_property):
+    for rank, rep in enumerate(pool.run(no_sync_job, style, timeout=600)):
+        record_property(f"rank{rank}_max_err", rep["max_err"])
+        assert not rep["problems"], (
+            f"{style} no_sync differs on rank {rank}:\n  " + "\n  ".join(rep["problems"][:20]))
+        # accumulate and apply with a fresh optimizer (apply creates Adam's state), then both
+        # again with the optimizer's state as inputs; none after that
+        assert rep["compiles"] == 4, rep
