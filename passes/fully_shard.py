@@ -101,6 +101,7 @@ def expand_fully_shard(
     gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
     broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
     divide_after_sum: bool = False, sync_grads: bool = True,
+    accumulate_cap_bytes: int | None = None,
 ) -> fx.GraphModule:
     """Turn a traced (unsharded) step into the fully_shard step.
 
@@ -120,6 +121,12 @@ def expand_fully_shard(
     ``divide_after_sum`` the reduced sum is divided instead of each rank's gradient.
     ``sync_grads=False`` (a step that only accumulates gradients) leaves the gradients whole
     and local: no reduce-scatter.
+
+    Gradients accumulated over micro-batches in the step (an ``add_`` chain per parameter) are
+    summed unsharded and reduce-scattered once while their full-size bytes over all parameters
+    stay within ``accumulate_cap_bytes`` (None: no limit); beyond it each micro-batch's gradient
+    is reduce-scattered and the shards are summed (FSDP2's default: less memory, one
+    reduce-scatter per micro-batch). The choice is noted in ``gm.meta[NOTES]``.
     """
     graph = gm.graph
     world = world_size
@@ -191,8 +198,23 @@ def expand_fully_shard(
                     u.replace_input_with(d, again[d])
 
     grads = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]
+    parts = {g: _micro_batch_parts(g) for g in grads if g.meta[meta.PARAM_FQN] in params}
+    accumulated = {g: p for g, p in parts.items() if p}
+    full_bytes = sum(g.meta["val"].numel() * g.meta["val"].element_size() for g in accumulated)
+    per_micro_batch = bool(accumulated) and sync_grads and (
+        accumulate_cap_bytes is not None and full_bytes > accumulate_cap_bytes)
+    if accumulated and sync_grads:
+        gm.meta.setdefault(meta.NOTES, {})["fully_shard"] = (
+            f"{max(map(len, accumulated.values()))} micro-batches: "
+            + (f"each micro-batch's gradients reduce-scattered ({full_bytes} B of full-size "
+               f"gradients exceed the {accumulate_cap_bytes} B cap)" if per_micro_batch else
+               f"gradients accumulated unsharded ({full_bytes} B), reduce-scattered once"))
     for grad in grads if sync_grads else []:
         fqn = grad.meta[meta.PARAM_FQN]
+        if per_micro_batch and grad in accumulated:
+            _reduce_scatter_parts(graph, grad, accumulated[grad], world, group_name,
+                                  reduce_dtype, divide_after_sum)
+            continue
         users = list(grad.users)
         val = grad.meta["val"]
         region = grad.meta.get(meta.REGION)
@@ -236,6 +258,71 @@ def expand_fully_shard(
     gm.recompile()
     _reduce_optimizer_partials(gm, group_name, world)
     return gm
+
+
+def _micro_batch_parts(grad: fx.Node) -> list[fx.Node] | None:
+    """The per-micro-batch gradients autograd accumulated into ``grad`` (``add_(add_(detach(g1),
+    g2), g3)``, each link used once), first to last; None if ``grad`` is not such a chain."""
+    parts, node = [], grad
+    while node.target in (aten.add_.Tensor, aten.add.Tensor) and len(node.args) == 2 and (
+            not node.kwargs) and (node is grad or len(node.users) == 1):
+        node, part = node.args
+        parts.append(part)
+    # the first backward's gradient, detached when autograd stored it in ``.grad`` (a sum of
+    # two uses in one backward, a tied weight, has no detach: one micro-batch)
+    if not parts or not isinstance(node, fx.Node) or node.target is not aten.detach.default or (
+            len(node.users) != 1):
+        return None
+    return [node.args[0]] + parts[::-1]
+
+
+def _reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, divide_after_sum):
+    """Reduce-scatter each micro-batch's gradient right after it is computed and sum the
+    shards; the sum replaces ``grad`` (the unsharded ``add_`` chain is erased)."""
+    val = grad.meta["val"]
+    fqn = grad.meta[meta.PARAM_FQN]
+    region = grad.meta.get(meta.REGION)
+    rows = shard_rows(val.shape[0], world)
+    pad = rows * world - val.shape[0]
+    cast = reduce_dtype is not None and reduce_dtype != val.dtype
+    users = list(grad.users)
+    shards = []
+    for part in parts:
+        with graph.inserting_before(part.next):
+            x = insert_cast(graph, part, reduce_dtype, region=region) if cast else part
+            if pad:
+                x = insert_call(graph, aten.constant_pad_nd.default,
+                                (x, [0, 0] * (val.dim() - 1) + [0, pad]),
+                                val=x.meta["val"].new_empty((rows * world,) + tuple(val.shape[1:])),
+                                region=region)
+            if not divide_after_sum:
+                x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
+            shard = insert_collective(
+                graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
+                val=_shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
+                params=[fqn])
+        shards.append(shard)
+    chain = [grad]
+    while chain[-1].target in (aten.add_.Tensor, aten.add.Tensor) and chain[-1].args[0] not in parts:
+        chain.append(chain[-1].args[0])
+    with graph.inserting_before(grad.next):
+        total = shards[0]
+        for shard in shards[1:]:
+            total = insert_call(graph, aten.add.Tensor, (total, shard), like=shard, region=region)
+    total = finish_reduction(graph, total, users, divide_by=world if divide_after_sum else None,
+                             dtype=val.dtype if cast else None)
+    total.meta[meta.PLACEMENT] = Shard(0)
+    total.meta[LOGICAL_SHAPE] = tuple(val.shape)
+    total.meta[meta.SYNCED_GRAD] = fqn
+    for u in users:
+        u.replace_input_with(grad, total)
+    for node in chain:  # the unsharded accumulation, now unused
+        if not node.users:
+            graph.erase_node(node)
+    first = parts[0]
+    for node in list(graph.nodes):
+        if node.target is aten.detach.default and node.args[0] is first and not node.users:
+            graph.erase_node(node)
 
 
 _NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar, aten.norm.Scalar,

@@ -56,3 +56,5 @@ BUCKET = "spmd_bucket"  # int: bucket index of a collective node
 # list[str]: the parameters whose averaged gradients passes/grad_outputs.py appended, in order,
 # to the end of the graph's outputs.
 KEPT_GRADS = "spmd_kept_grads"
+# dict[str, str]: per pass, a one-line note on a choice it made (shown in the summary)
+NOTES = "spmd_notes"

@@ -437,6 +437,7 @@ class CompiledStep:
                     reduce_dtype=reduce_dtype_of(mode.mp_policy),
                     divide_after_sum=mode.divide_gradients == "after",
                     sync_grads=self._accumulation() != ACCUMULATE,
+                    accumulate_cap_bytes=int((mode.reduce_cap_mb or 0) * 2**20),
                 )
             except ShardingError as e:
                 raise UnsupportedError(str(e)) from e

@@ -42,7 +42,10 @@ class DataParallel:
         reduce_cap_mb: fully_shard only. At most this many MiB of full-size gradients whose
             reduce-scatter is issued but not yet waited on; the oldest is waited on (and its
             parameters updated) before a new one would pass the cap. ``None`` or ``0`` waits on
-            each right after issuing it.
+            each right after issuing it. Also the memory rule for gradients accumulated over
+            micro-batches inside the step: summed unsharded and reduce-scattered once while all
+            of them fit in this cap, else each micro-batch's reduce-scattered (the summary's
+            "passes" table says which).
         fuse_optimizer: record SGD, Adam and AdamW with their fused implementation (one kernel
             over the parameters, not several passes per parameter) whatever ``foreach``/``fused``
             the optimizer names. The update is the same up to float round-off.

@@ -28,7 +28,8 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_compiler.passes.memory_plan import lifetimes, workspace
 from spmd_compiler.passes.meta import (
-    BUCKET, COLLECTIVE, INPUT_PATH, KEPT_GRADS, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role,
+    BUCKET, COLLECTIVE, INPUT_PATH, KEPT_GRADS, NOTES, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY,
+    Role,
 )
 
 log = logging.getLogger("spmd_compiler")
@@ -877,7 +878,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         peak_node=peak_node,
         workspace_bytes=workspace_bytes,
         compile_times=dict(compile_times or {}),
-        notes=dict(notes or {}),
+        notes={**gm.meta.get(NOTES, {}), **(notes or {})},
     )
 
 

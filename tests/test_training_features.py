@@ -258,11 +258,13 @@ def _reference_accumulate(model, optim, micro_batches, no_sync):
     return total
 
 
-def accumulation_job(style: str, mixed: bool = False) -> dict:
+def accumulation_job(style: str, mixed: bool = False, per_micro_batch: bool = False) -> dict:
     """The compiled micro-batch step against DDP with ``no_sync()`` (replicate) or FSDP2 with
     ``set_requires_gradient_sync(False)`` (fully_shard) for all but the last micro-batch. Also
     returns the number of gradient collectives in the compiled graph. ``mixed``: both sides with
-    bf16 parameters and fp32 reduction (fully_shard only)."""
+    bf16 parameters and fp32 reduction (fully_shard only). ``per_micro_batch``: fully_shard with
+    ``reduce_cap_mb=0`` reduce-scatters every micro-batch; the reference is FSDP2 syncing every
+    micro-batch (its default)."""
     import contextlib
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -285,7 +287,7 @@ def accumulation_job(style: str, mixed: bool = False) -> dict:
 
         @contextlib.contextmanager
         def no_sync(skip):
-            ref.set_requires_gradient_sync(not skip)
+            ref.set_requires_gradient_sync(not skip or per_micro_batch)
             yield
             ref.set_requires_gradient_sync(True)
     else:
@@ -294,7 +296,8 @@ def accumulation_job(style: str, mixed: bool = False) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     compiled = spmd_compile(DataParallel(style, bucket_cap_mb=None, mp_policy=policy,
-                                         divide_gradients="after" if mixed else "before"))(
+                                         divide_gradients="after" if mixed else "before",
+                                         reduce_cap_mb=0 if per_micro_batch else 16.0))(
         accumulate_step)
 
     chk = _Checker(1e-5, 1e-6)
@@ -313,8 +316,11 @@ def accumulation_job(style: str, mixed: bool = False) -> dict:
     gm = compiled.last_compiled.traced.gm
     grad_syncs = [n for n in gm.graph.nodes if (n.meta.get(meta.COLLECTIVE) or {}).get("kind")
                   in ("all_reduce", "reduce_scatter")]
+    from spmd_compiler.api import entry_summary
+
     return dict(max_err=chk.max_err, problems=chk.problems, grad_syncs=len(grad_syncs),
-                params=len(list(model.parameters())), compiles=compiled.compile_count)
+                params=len(list(model.parameters())), compiles=compiled.compile_count,
+                notes=entry_summary(compiled.last_compiled).notes)
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
@@ -323,11 +329,26 @@ def accumulation_job(style: str, mixed: bool = False) -> dict:
                          ids=["replicate", "fully_shard", "fully_shard-bf16"])
 def test_micro_batch_accumulation_syncs_once(pool, style, mixed, record_property):
     for rank, rep in enumerate(pool.run(accumulation_job, style, mixed, timeout=600)):
+        if style == "fully_shard":
+            assert "accumulated unsharded" in rep["notes"]["fully_shard"], rep["notes"]
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], (
             f"{style} accumulation differs on rank {rank}:\n  " + "\n  ".join(rep["problems"][:20]))
         # one gradient collective per parameter (bucketing off), not one per micro-batch
         assert rep["grad_syncs"] == rep["params"], rep
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_micro_batches_reduce_scattered_each_beyond_the_cap(pool, mixed, record_property):
+    for rank, rep in enumerate(pool.run(accumulation_job, "fully_shard", mixed, True,
+                                        timeout=600)):
+        record_property(f"rank{rank}_max_err", rep["max_err"])
+        assert not rep["problems"], (
+            f"per-micro-batch reduce-scatter differs from FSDP2 on rank {rank}:\n  "
+            + "\n  ".join(rep["problems"][:20]))
+        assert rep["grad_syncs"] == rep["params"] * MICRO_BATCHES, rep
+        assert "each micro-batch's gradients reduce-scattered" in rep["notes"]["fully_shard"], rep
 
 
 # --------------------------------------------------------------------------------------------------
