@@ -19,11 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .errors import SPMDError
-
-
-class MixedPrecisionError(SPMDError):
-    """A mixed-precision policy the process group's backend cannot honour, or not a policy."""
+from .errors import MixedPrecisionError
 
 
 # Dtypes the backends reduce and gather (gloo raises "Invalid scalar type" on float8 types).
