@@ -358,11 +358,12 @@ def test_micro_batches_reduce_scattered_each_beyond_the_cap(pool, mixed, record_
 CALLS_PER_UPDATE = 3
 
 
-def no_sync_job(style: str) -> dict:
+def no_sync_job(style: str, mixed: bool = False) -> dict:
     """``CALLS_PER_UPDATE - 1`` calls of the compiled step inside ``no_sync()``, then one outside,
     against DDP (``no_sync()`` around forward+backward) or FSDP2
     (``set_requires_gradient_sync(False)``) doing the same forward/backwards and one optimizer
-    step; parameters must not move inside ``no_sync``."""
+    step; parameters must not move inside ``no_sync``. ``mixed``: bf16 parameters, fp32
+    reduction on both sides (fully_shard)."""
     import contextlib
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -375,8 +376,12 @@ def no_sync_job(style: str) -> dict:
     torch.manual_seed(0)
     model = SimpleMLP()
     ref = deepcopy(model)
+    policy = _policy(torch.bfloat16, torch.float32) if mixed else None
     if style == "fully_shard":
-        fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)))
+        if mixed:
+            fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)), mp_policy=policy)
+        else:
+            fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)))
 
         @contextlib.contextmanager
         def no_sync(skip):
@@ -388,7 +393,8 @@ def no_sync_job(style: str) -> dict:
         no_sync = lambda skip: ref.no_sync() if skip else contextlib.nullcontext()  # noqa: E731
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
-    compiled = spmd_compile(DataParallel(style))(mse_step)
+    compiled = spmd_compile(DataParallel(style, mp_policy=policy,
+                                         divide_gradients="after" if mixed else "before"))(mse_step)
 
     def full(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -420,9 +426,11 @@ def no_sync_job(style: str) -> dict:
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
-@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
-def test_no_sync_accumulates_across_calls(pool, style, record_property):
-    for rank, rep in enumerate(pool.run(no_sync_job, style, timeout=600)):
+@pytest.mark.parametrize("style,mixed", [("replicate", False), ("fully_shard", False),
+                                         ("fully_shard", True)],
+                         ids=["replicate", "fully_shard", "fully_shard-bf16"])
+def test_no_sync_accumulates_across_calls(pool, style, mixed, record_property):
+    for rank, rep in enumerate(pool.run(no_sync_job, style, mixed, timeout=600)):
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], (
             f"{style} no_sync differs on rank {rank}:\n  " + "\n  ".join(rep["problems"][:20]))
