@@ -52,10 +52,12 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
 
 def _by_dtype(members: list[_Member]) -> list[list[_Member]]:
     """The members split by dtype (a flat bucket holds one dtype; mixed precision gathers some
-    parameters in bf16 next to others in fp32), each list in graph order."""
-    groups: dict[torch.dtype, list[_Member]] = {}
+    parameters in bf16 next to others in fp32) and by micro-batch (MICRO_BATCH: a bucket never
+    waits for a later micro-batch's gradients), each list in graph order."""
+    groups: dict[tuple, list[_Member]] = {}
     for m in members:
-        groups.setdefault(m.source.meta["val"].dtype, []).append(m)
+        key = (m.source.meta["val"].dtype, m.issue.meta.get(meta.MICRO_BATCH))
+        groups.setdefault(key, []).append(m)
     return list(groups.values())
 
 

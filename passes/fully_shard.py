@@ -287,7 +287,7 @@ def _reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, d
     cast = reduce_dtype is not None and reduce_dtype != val.dtype
     users = list(grad.users)
     shards = []
-    for part in parts:
+    for index, part in enumerate(parts):
         with graph.inserting_before(part.next):
             x = insert_cast(graph, part, reduce_dtype, region=region) if cast else part
             if pad:
@@ -301,11 +301,14 @@ def _reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, d
                 graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
                 val=_shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
                 params=[fqn])
+        shard.args[0].meta[meta.MICRO_BATCH] = index
         shards.append(shard)
     chain = [grad]
     while chain[-1].target in (aten.add_.Tensor, aten.add.Tensor) and chain[-1].args[0] not in parts:
         chain.append(chain[-1].args[0])
-    with graph.inserting_before(grad.next):
+    pending = set(users)  # the sum goes before the first use: bucketing may move the shards
+    first_use = next((n for n in graph.nodes if n in pending), None)
+    with graph.inserting_before(first_use if first_use is not None else grad.next):
         total = shards[0]
         for shard in shards[1:]:
             total = insert_call(graph, aten.add.Tensor, (total, shard), like=shard, region=region)

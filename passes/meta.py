@@ -51,6 +51,9 @@ COLLECTIVE = "spmd_collective"  # dict(kind=str, bytes=int, params=list[str]) on
 # all_reduce; in fully_shard of its reduce_scatter: the padded local shard). Expansion only.
 SYNCED_GRAD = "spmd_synced_grad"
 BUCKET = "spmd_bucket"  # int: bucket index of a collective node
+# int: on a gradient reduce-scatter of one micro-batch (fully_shard, per-micro-batch reduction);
+# bucketing merges only collectives of the same micro-batch
+MICRO_BATCH = "spmd_micro_batch"
 
 # GraphModule.meta keys (on the graph, not a node).
 # list[str]: the parameters whose averaged gradients passes/grad_outputs.py appended, in order,
