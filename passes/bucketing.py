@@ -50,9 +50,20 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
     return out
 
 
+def _kind(m: _Member) -> tuple:
+    """Members merge only with others on the same process group (the same mesh dim) and the
+    same divisor."""
+    return m.issue.args[-1], m.scale.args[1] if m.scale is not None else 1
+
+
 def _buckets(members: list[_Member], cap: int, first_cap: int, depends_on) -> list[list[_Member]]:
-    """Consecutive members (graph order) up to ``cap`` bytes (``first_cap`` for the first bucket);
-    a member whose input depends on an earlier member's result starts a new bucket."""
+    """Per process group: consecutive members (graph order) up to ``cap`` bytes (``first_cap``
+    for that group's first bucket); a member whose input depends on an earlier member's result
+    starts a new bucket."""
+    kinds = list(dict.fromkeys(_kind(m) for m in members))
+    if len(kinds) > 1:
+        return [b for k in kinds for b in _buckets([m for m in members if _kind(m) == k], cap,
+                                                     first_cap, depends_on)]
     buckets: list[list[_Member]] = []
     current: list[_Member] = []
     size = 0
@@ -115,9 +126,9 @@ def bucket_collectives(
     cap, first_cap = int(bucket_cap_mb * MB), int(first_bucket_cap_mb * MB)
     own_cap = int(own_collective_mb * MB) if own_collective_mb else None
     index = 0
-    for target, merge in (
-        (c10d.all_reduce.default, _merge_all_reduce),
+    for target, merge in (  # reduce-scatters first: hybrid sharding all-reduces their shards
         (c10d.reduce_scatter_tensor.default, _merge_reduce_scatter),
+        (c10d.all_reduce.default, _merge_all_reduce),
     ):
         members = _members(graph, target, own_cap)
         if not members:
@@ -199,11 +210,13 @@ def _merge_all_reduce(graph: fx.Graph, bucket: list[_Member], index: int) -> Non
 def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
     last = bucket[-1].issue
     _, _, world, group = last.args
+    divisor = bucket[0].scale.args[1] if bucket[0].scale is not None else 1
     with graph.inserting_before(last.next):
         flat = _flatten_cat(graph, bucket, lambda m: [world, -1], 1, last)
         flat = insert_call(graph, aten.view.default, (flat, [-1]),
                            val=flat.meta["val"].reshape(-1), region=flat.meta.get(meta.REGION))
-        flat = insert_call(graph, aten.div.Tensor, (flat, world), like=flat)
+        if divisor != 1:
+            flat = insert_call(graph, aten.div.Tensor, (flat, divisor), like=flat)
         total = _numel(flat) // world
         local_val = flat.meta["val"][:total]
         done = insert_collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group),

@@ -9,9 +9,10 @@ not sharded (their gradients are all-reduced as in replicate).
 
 from __future__ import annotations
 
-from collections import deque
-
+import math
 import operator
+from collections import deque
+from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -85,7 +86,7 @@ def _forward_chain(full: fx.Node) -> list[fx.Node]:
 
 def expand_fully_shard(
     gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
-    broadcast_buffers: bool = True,
+    broadcast_buffers: bool = True, replicate_over: Sequence[tuple[str, int]] = (),
 ) -> fx.GraphModule:
     """Turn a traced (unsharded) step into the fully_shard step.
 
@@ -97,11 +98,17 @@ def expand_fully_shard(
     ``reduce_scatter``-ed, its optimizer uses reading the shard (the wait, marked SYNCED_GRAD);
     reductions over shards inside the optimizer region (e.g. a global grad norm) get the
     all_reduce that makes them whole. Buffers are broadcast from rank 0 as in replicate.
+
+    ``replicate_over`` (group name, size) pairs: further mesh dims the shards are replicated
+    over (hybrid sharding). Each reduced gradient shard is then all-reduced over each of them,
+    gradients are divided by the ranks of all dims, and buffers are broadcast over each too.
     """
     graph = gm.graph
     world = world_size
+    ranks = world * math.prod(size for _, size in replicate_over)  # every rank of the mesh
     if broadcast_buffers:
-        broadcast_buffers_from_rank0(graph, group_name, world)
+        for name, size in [(group_name, world), *replicate_over]:
+            broadcast_buffers_from_rank0(graph, name, size)
     order = {n: i for i, n in enumerate(graph.nodes)}
     params = {}
     for node in list(graph.nodes):
@@ -173,7 +180,7 @@ def expand_fully_shard(
                     x = insert_call(graph, aten.constant_pad_nd.default,
                                     (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
                                     val=padded_val, region=region)
-                x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
+                x = insert_call(graph, aten.div.Tensor, (x, ranks), like=x, region=region)
                 reduced = insert_collective(
                     graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
                     val=_shard_val(val, world), region=region, kind="reduce_scatter", params=[fqn],
@@ -181,11 +188,19 @@ def expand_fully_shard(
                 reduced.meta[meta.PLACEMENT] = Shard(0)
                 reduced.meta[LOGICAL_SHAPE] = tuple(val.shape)
             else:
-                x = insert_call(graph, aten.div.Tensor, (grad, world), like=grad)
+                x = insert_call(graph, aten.div.Tensor, (grad, ranks), like=grad)
                 reduced = insert_collective(
                     graph, c10d.all_reduce.default, (x, "sum", group_name),
                     val=val, region=region, kind="all_reduce", params=[fqn],
                 )
+            for name, _ in replicate_over:  # the shard, summed over the replicas
+                shard = reduced
+                reduced = insert_collective(
+                    graph, c10d.all_reduce.default, (shard, "sum", name),
+                    val=shard.meta["val"], region=region, kind="all_reduce", params=[fqn])
+                for key in (meta.PLACEMENT, LOGICAL_SHAPE):
+                    if key in shard.meta:
+                        reduced.meta[key] = shard.meta[key]
         reduced.meta[meta.SYNCED_GRAD] = fqn
         for u in users:
             u.replace_input_with(grad, reduced)
