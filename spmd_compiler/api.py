@@ -685,6 +685,8 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             Default: a 1-D mesh over the whole default process group.
     """
     mode = parallel_mode or DataParallel("replicate")
+    if mesh is not None:
+        check_mesh(mode, mesh)
 
     def decorate(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
