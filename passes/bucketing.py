@@ -32,7 +32,8 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
     output are smaller than ``own_cap`` bytes (larger ones keep their own collective)."""
     out = []
     for node in graph.nodes:
-        if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params"):
+        if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params") \
+                or meta.BUCKET in node.meta:  # already a bucket
             continue
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         if len(waits) != 1 or len(node.users) != 1:
@@ -239,6 +240,42 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) ->
             replaced.append((m, shaped))
     for m, new in replaced:  # after inserting: the members anchor the insertion point
         _replace_member(graph, m, new)
+    _merge_chained_all_reduces(graph, done, [new for _, new in replaced], index)
+
+
+def _chained_all_reduce(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(issue, wait) of the per-parameter all_reduce that is ``node``'s only user, if any."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].target is not c10d.all_reduce.default or len(users[0].users) != 1:
+        return None
+    wait = next(iter(users[0].users))
+    return (users[0], wait) if wait.target is c10d.wait_tensor.default else None
+
+
+def _merge_chained_all_reduces(graph: fx.Graph, flat: fx.Node, pieces: list[fx.Node],
+                               index: int) -> None:
+    """When every piece of a reduced bucket ``flat`` is next all-reduced over another mesh dim
+    (hybrid sharding: the gradient shards, over the replicate dim), all-reduce ``flat`` itself
+    once instead: the bucket on the next dim is the same bucket, with no copy into a new one."""
+    chained = [_chained_all_reduce(p) for p in pieces]
+    if not chained or any(c is None for c in chained) or \
+            len({issue.args[1:] for issue, _ in chained}) != 1:
+        return
+    first_issue = chained[0][0]
+    with graph.inserting_before(flat.next):
+        done = insert_collective(graph, c10d.all_reduce.default, (flat, *first_issue.args[1:]),
+                                 val=flat.meta["val"], region=flat.meta.get(meta.REGION),
+                                 kind="all_reduce",
+                                 params=[p for issue, _ in chained for p in node_params(issue)])
+        done.args[0].meta[meta.BUCKET] = done.meta[meta.BUCKET] = index
+    for piece, (issue, wait) in zip(pieces, chained):
+        piece.args[0].replace_input_with(flat, done)  # its slice reads the all-reduced bucket
+        for key, value in wait.meta.items():
+            if key not in ("val", meta.ROLE, meta.COLLECTIVE):
+                piece.meta[key] = value
+        wait.replace_all_uses_with(piece)
+        graph.erase_node(wait)
+        graph.erase_node(issue)
 
 
 def _merge_all_gather(graph: fx.Graph, bucket: list[_Member], index: int) -> None:

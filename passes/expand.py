@@ -17,6 +17,7 @@ the replicate dims hold equal values.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,8 +25,12 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from . import meta
-from .fully_shard import ShardingError, expand_fully_shard
-from .replicate import expand_replicate
+from .collectives import aten, c10d, insert_call, insert_collective
+from .fully_shard import (
+    LOGICAL_SHAPE, ShardingError, padded_gradient, reduce_optimizer_partials, shard_parameters,
+    shard_val,
+)
+from .replicate import broadcast_buffers_from_rank0
 
 
 @dataclass(frozen=True)
@@ -41,32 +46,76 @@ class MeshDim:
 def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
                          reshard_after_forward: bool = True,
                          broadcast_buffers: bool = True) -> fx.GraphModule:
-    """Insert the collectives of the parameter layout ``layout`` (one MeshDim per mesh dim).
+    """Insert the collectives of the parameter layout ``layout`` (one MeshDim per mesh dim,
+    outermost first).
 
-    Reads what replicate.py / fully_shard.py read. Writes their collectives, each on the group
-    of the mesh dim whose placement asks for it, and ``gm.meta[MESH_DIMS]`` (the group names by
-    mesh dim, so later readers can say which dim a collective runs on).
+    Reads: ROLE (PARAM / OPT_STATE / BUFFER placeholders, GRAD nodes), PARAM_FQN, REGION,
+    node.meta["val"]. Writes, each collective on the group of the mesh dim that asks for it:
+    buffers broadcast from the first rank over every dim (``broadcast_buffers``); on a
+    ``Shard(0)`` dim the parameters and their states become shards gathered before use
+    (fully_shard.shard_parameters); each gradient divided by the mesh's rank count, then
+    reduced dim by dim from the innermost: ``reduce_scatter`` on the shard dim for a sharded
+    parameter, ``all_reduce`` on every other dim (the last wait marked SYNCED_GRAD, read by
+    every later use); the optimizer's reductions over shards completed on the shard dim;
+    ``gm.meta[MESH_DIMS]``: the group names by mesh dim.
     """
-    sharded = [d for d in layout if d.placement != Shard(0) and d.placement.is_shard()]
-    if sharded:
-        raise ShardingError(f"data parallelism shards parameters on dim 0 only, got {sharded[0].placement}")
+    wrong = [d.placement for d in layout if d.placement.is_shard() and d.placement != Shard(0)]
+    if wrong:
+        raise ShardingError(f"data parallelism shards parameters on dim 0 only, got {wrong[0]}")
     shard = [d for d in layout if d.placement.is_shard()]
-    replicate = [(d.group_name, d.size) for d in layout if not d.placement.is_shard()]
     if len(shard) > 1:
         raise ShardingError("parameters can be sharded over one mesh dim only")
+    graph = gm.graph
+    if broadcast_buffers:
+        for d in reversed(layout):  # each insertion goes first: the outermost dim runs first
+            broadcast_buffers_from_rank0(graph, d.group_name, d.size)
+    sharded = {}
     if shard:
-        gm = expand_fully_shard(
-            gm, group_name=shard[0].group_name, world_size=shard[0].size,
-            reshard_after_forward=reshard_after_forward, broadcast_buffers=broadcast_buffers,
-            replicate_over=replicate)
-    else:
-        (group_name, size), *others = replicate
-        if others:
-            raise ShardingError("replicate takes a 1-D mesh")
-        gm = expand_replicate(gm, group_name=group_name, world_size=size,
-                              broadcast_buffers=broadcast_buffers)
+        sharded = shard_parameters(gm, group_name=shard[0].group_name, world_size=shard[0].size,
+                                   reshard_after_forward=reshard_after_forward)
+    _reduce_gradients(graph, layout, set(sharded))
+    gm.recompile()
+    if shard:
+        reduce_optimizer_partials(gm, shard[0].group_name, shard[0].size)
     gm.meta[meta.MESH_DIMS] = [d.group_name for d in layout]
     return gm
+
+
+def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[str]) -> None:
+    """Average every GRAD node over the mesh: divide by the number of ranks, then per mesh dim
+    from the innermost, ``reduce_scatter`` (a parameter sharded on that dim: the padded
+    gradient becomes this rank's shard) or ``all_reduce``."""
+    ranks = math.prod(d.size for d in layout)
+    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
+        fqn = grad.meta[meta.PARAM_FQN]
+        users = list(grad.users)
+        val = grad.meta["val"]
+        region = grad.meta.get(meta.REGION)
+        with graph.inserting_before(grad.next):
+            x = grad
+            if fqn in sharded:
+                world = next(d.size for d in layout if d.placement.is_shard())
+                x = padded_gradient(graph, grad, world)
+            x = insert_call(graph, aten.div.Tensor, (x, ranks), like=x, region=region)
+            for d in reversed(layout):
+                if fqn in sharded and d.placement.is_shard():
+                    x = insert_collective(
+                        graph, c10d.reduce_scatter_tensor.default, (x, "sum", d.size, d.group_name),
+                        val=shard_val(val, d.size), region=region, kind="reduce_scatter",
+                        params=[fqn])
+                    x.meta[meta.PLACEMENT] = Shard(0)
+                    x.meta[LOGICAL_SHAPE] = tuple(val.shape)
+                else:
+                    summed = insert_collective(
+                        graph, c10d.all_reduce.default, (x, "sum", d.group_name),
+                        val=x.meta["val"], region=region, kind="all_reduce", params=[fqn])
+                    for key in (meta.PLACEMENT, LOGICAL_SHAPE):  # a shard stays a shard
+                        if key in x.meta:
+                            summed.meta[key] = x.meta[key]
+                    x = summed
+        x.meta[meta.SYNCED_GRAD] = fqn
+        for u in users:
+            u.replace_input_with(grad, x)
 
 
 def mesh_dim_of(gm: fx.GraphModule, collective: fx.Node) -> int | None:

@@ -9,10 +9,8 @@ not sharded (their gradients are all-reduced as in replicate).
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import deque
-from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -20,7 +18,6 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
 from .collectives import aten, c10d, insert_call, insert_collective
-from .replicate import broadcast_buffers_from_rank0
 
 _VIEW_OR_CAST = {
     aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -42,7 +39,7 @@ def shard_rows(n: int, world: int) -> int:
     return -(-n // world)
 
 
-def _shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
+def shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
     """A fake tensor of the padded local shard's shape."""
     shape = (shard_rows(val.shape[0], world),) + tuple(val.shape[1:])
     return val.new_empty(shape)
@@ -86,29 +83,36 @@ def _forward_chain(full: fx.Node) -> list[fx.Node]:
 
 def expand_fully_shard(
     gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
-    broadcast_buffers: bool = True, replicate_over: Sequence[tuple[str, int]] = (),
+    broadcast_buffers: bool = True,
 ) -> fx.GraphModule:
-    """Turn a traced (unsharded) step into the fully_shard step.
+    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
 
-    Reads: ROLE (PARAM / OPT_STATE / BUFFER placeholders, GRAD nodes), PARAM_FQN, REGION,
-    node.meta["val"]. Writes: PARAM and same-shaped OPT_STATE placeholders become padded dim-0
-    shards (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
+    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
+    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
+    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
+    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
+    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
+    """
+    from .expand import MeshDim, expand_data_parallel
+
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
+                                reshard_after_forward=reshard_after_forward,
+                                broadcast_buffers=broadcast_buffers)
+
+
+def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
+                     reshard_after_forward: bool = True) -> dict[str, tuple[fx.Node, torch.Tensor]]:
+    """Make the parameters dim-0 shards over ``group_name``; return the sharded ones
+    {fqn: (placeholder, full val)}.
+
+    Reads: ROLE (PARAM / OPT_STATE placeholders), PARAM_FQN, REGION, node.meta["val"]. Writes:
+    PARAM (other than 0-d) and same-shaped OPT_STATE placeholders become padded dim-0 shards
+    (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
     forward use, and with ``reshard_after_forward`` a second gather (and re-derived views) before
-    its first backward use; each gradient padded, divided by the world size and
-    ``reduce_scatter``-ed, its optimizer uses reading the shard (the wait, marked SYNCED_GRAD);
-    reductions over shards inside the optimizer region (e.g. a global grad norm) get the
-    all_reduce that makes them whole. Buffers are broadcast from rank 0 as in replicate.
-
-    ``replicate_over`` (group name, size) pairs: further mesh dims the shards are replicated
-    over (hybrid sharding). Each reduced gradient shard is then all-reduced over each of them,
-    gradients are divided by the ranks of all dims, and buffers are broadcast over each too.
+    its first backward use.
     """
     graph = gm.graph
     world = world_size
-    ranks = world * math.prod(size for _, size in replicate_over)  # every rank of the mesh
-    if broadcast_buffers:
-        for name, size in [(group_name, world), *replicate_over]:
-            broadcast_buffers_from_rank0(graph, name, size)
     order = {n: i for i, n in enumerate(graph.nodes)}
     params = {}
     for node in list(graph.nodes):
@@ -117,7 +121,6 @@ def expand_fully_shard(
         if role == meta.Role.PARAM and val.dim() > 0:
             params[node.meta[meta.PARAM_FQN]] = (node, val)
     param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in params.items()}
-
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
@@ -128,7 +131,7 @@ def expand_fully_shard(
             tuple(val.shape) == param_shapes[fqn]
         ):
             node.meta[LOGICAL_SHAPE] = tuple(val.shape)
-            node.meta["val"] = _shard_val(val, world)
+            node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
 
     for fqn, (param, full_val) in params.items():
@@ -165,49 +168,20 @@ def expand_fully_shard(
                 if d in u.all_input_nodes:
                     u.replace_input_with(d, again[d])
 
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
-        fqn = grad.meta[meta.PARAM_FQN]
-        users = list(grad.users)
-        val = grad.meta["val"]
-        region = grad.meta.get(meta.REGION)
-        with graph.inserting_before(grad.next):
-            if fqn in params:
-                rows = shard_rows(val.shape[0], world)
-                pad = rows * world - val.shape[0]
-                x = grad
-                if pad:
-                    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
-                    x = insert_call(graph, aten.constant_pad_nd.default,
-                                    (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
-                                    val=padded_val, region=region)
-                x = insert_call(graph, aten.div.Tensor, (x, ranks), like=x, region=region)
-                reduced = insert_collective(
-                    graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
-                    val=_shard_val(val, world), region=region, kind="reduce_scatter", params=[fqn],
-                )
-                reduced.meta[meta.PLACEMENT] = Shard(0)
-                reduced.meta[LOGICAL_SHAPE] = tuple(val.shape)
-            else:
-                x = insert_call(graph, aten.div.Tensor, (grad, ranks), like=grad)
-                reduced = insert_collective(
-                    graph, c10d.all_reduce.default, (x, "sum", group_name),
-                    val=val, region=region, kind="all_reduce", params=[fqn],
-                )
-            for name, _ in replicate_over:  # the shard, summed over the replicas
-                shard = reduced
-                reduced = insert_collective(
-                    graph, c10d.all_reduce.default, (shard, "sum", name),
-                    val=shard.meta["val"], region=region, kind="all_reduce", params=[fqn])
-                for key in (meta.PLACEMENT, LOGICAL_SHAPE):
-                    if key in shard.meta:
-                        reduced.meta[key] = shard.meta[key]
-        reduced.meta[meta.SYNCED_GRAD] = fqn
-        for u in users:
-            u.replace_input_with(grad, reduced)
+    return params
 
-    gm.recompile()
-    _reduce_optimizer_partials(gm, group_name, world)
-    return gm
+
+def padded_gradient(graph: fx.Graph, grad: fx.Node, world: int) -> fx.Node:
+    """``grad`` padded with zero rows to a multiple of ``world`` rows (at the insert point)."""
+    val = grad.meta["val"]
+    rows = shard_rows(val.shape[0], world)
+    pad = rows * world - val.shape[0]
+    if not pad:
+        return grad
+    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
+    return insert_call(graph, aten.constant_pad_nd.default,
+                       (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
+                       val=padded_val, region=grad.meta.get(meta.REGION))
 
 
 _NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar, aten.norm.Scalar,
@@ -220,7 +194,7 @@ def _values(val):
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
-def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
+def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
     """All-reduce the optimizer region's reductions over shards (a gradient norm for clipping, a
     sum) right where they are computed, so everything after them sees whole values.
 
@@ -275,10 +249,10 @@ def _to_shard_vals(node: fx.Node, logical: set[tuple], world: int) -> None:
     sizes read off the graph (the memory estimate) are the local ones."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and tuple(val.shape) in logical and val.dim() > 0:
-        node.meta["val"] = _shard_val(val, world)
+        node.meta["val"] = shard_val(val, world)
     elif isinstance(val, (list, tuple)):
         node.meta["val"] = type(val)(
-            _shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
+            shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
             and v.dim() > 0 else v for v in val)
 
 

@@ -176,6 +176,11 @@ def hybrid_job(optim_name: str) -> dict:
             dim = mesh_dim_of(gm, n)
             key = f"{n.meta[meta.COLLECTIVE]['kind']}@{mesh.mesh_dim_names[dim]}"
             per_dim[key] = per_dim.get(key, 0) + 1
+            if key == "all_reduce@replicate" and n.meta[meta.COLLECTIVE]["params"]:
+                # the gradient bucket of the shard dim is all-reduced as it is (no copy)
+                source = n.args[0].args[0] if n.args[0].target is torch.ops._c10d_functional.wait_tensor.default else None
+                chk.check(getattr(source, "target", None) is torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                          f"the replicate dim's all_reduce reads {n.args[0].format_node()}, not a reduce_scatter's wait")
     return dict(problems=chk.problems, max_err=chk.max_err, per_dim=per_dim)
 
 
