@@ -196,3 +196,90 @@ def test_hybrid_shard_matches_hsdp_and_ddp(pool4, optim_name, record_property):
     assert per_dim.get("all_gather@shard", 0) >= 1 and per_dim.get("reduce_scatter@shard", 0) >= 1
     assert per_dim.get("all_reduce@replicate", 0) >= 1
     assert not {k for k in per_dim if k.endswith("@replicate")} - {"all_reduce@replicate"}, per_dim
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint: saved by hybrid_shard at 4 ranks, loaded by fully_shard at 2
+# --------------------------------------------------------------------------------------------------
+
+
+def mean_step(model, optim, batch):
+    """A mean loss: 4 ranks' batches averaged equal 2 ranks' of two batches each."""
+    optim.zero_grad()
+    x, y = batch
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def save_job(path: str) -> None:
+    """3 hybrid_shard steps at 2 x 2, then dcp.save of get_state_dict(model, optim); rank 0 also
+    saves the full tensors (torch.save) for the reference."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = OddMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh)(mean_step)
+    for i in range(3):
+        step(model, opt, _batch(200 + i))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{path}/dcp")
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    full.update({f"{n}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+                 for n, p in model.named_parameters() for k, v in opt.state[p].items()})
+    if dist.get_rank() == 0:
+        torch.save(full, f"{path}/full.pt")
+    dist.barrier()
+
+
+def load_job(path: str) -> dict:
+    """At 2 ranks: a fresh model loads the checkpoint (get_state_dict, dcp.load, set_state_dict,
+    then the first compiled call: resharded to Shard(0) over 2); compared with the saved full
+    tensors, then 2 steps next to DDP started from them. Rank k takes the batches of ranks 2k and
+    2k+1 of the 4-rank run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    full = torch.load(f"{path}/full.pt")
+    torch.manual_seed(1)  # another initial model: loading must overwrite all of it
+    model = OddMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=f"{path}/dcp")
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    ref = OddMLP()
+    ref.load_state_dict({n: full[n] for n, _ in ref.named_parameters()})
+    ref = DDP(ref)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for (n, _), q in zip(model.named_parameters(), ref.module.parameters()):
+        ref_opt.state[q] = {k: full[f"{n}.{k}"].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+    chk = _Checker()
+    step = spmd_compile(DataParallel("fully_shard"))(mean_step)
+    rank = dist.get_rank()
+    for i in range(2):
+        parts = [rank_data(300 + i, (BATCH, 20), (BATCH, 5), rank=r) for r in (2 * rank, 2 * rank + 1)]
+        batch = tuple(torch.cat(t) for t in zip(*parts))
+        if i == 0:  # before the first step: what was loaded (placed on the first call)
+            for n, p in model.named_parameters():
+                chk.close("param", f"loaded {n}", p, full[n])
+        step(model, opt, batch)
+        mean_step(ref, ref_opt, batch)
+        compare_with_reference(chk, f"step {i} after loading", model, opt, ref.module, ref_opt)
+    return dict(problems=chk.problems, max_err=chk.max_err)
+
+
+def test_checkpoint_hybrid_4_to_fully_shard_2(pool4, pool2, tmp_path):
+    pool4.run(save_job, str(tmp_path), timeout=300)
+    for rank, rep in enumerate(pool2.run(load_job, str(tmp_path), timeout=300)):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
