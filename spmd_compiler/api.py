@@ -458,12 +458,13 @@ def _log_specializations(traced: TracedStep, sa: StepArgs) -> None:
 
 
 def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = None,
-            world_size: int | None = None, dump_dir: str | None = None, **kwargs):
+            world_size: int | tuple[int, int] | None = None, dump_dir: str | None = None, **kwargs):
     """Compile ``train_step(*args, **kwargs)`` without running it or touching the model and
     optimizer; return the summary (``visualize.Summary``; ``.to_text()`` for the tables).
 
-    Under an initialized process group the world size is the group's; otherwise give
-    ``world_size`` (default 2) to see what the step would do at that size.
+    Under an initialized process group the world size is the group's (the step's mesh, if it
+    was given one); otherwise give ``world_size`` (default 2) to see what the step would do at
+    that size; for hybrid_shard a (replicate, shard) mesh shape (an int n: ``(n // 2, 2)``).
     """
     from .visualize import summarize, write_summary
 
@@ -472,8 +473,8 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     if dist.is_available() and dist.is_initialized():
         dims = mesh_dims(step._mesh(torch.device("cpu")))
     elif step.parallel_mode.parallel_style == "hybrid_shard":
-        world = world_size or 4
-        dims = [("explain_replicate", max(1, world // 2)), ("explain_shard", min(2, world))]
+        shape = world_size if isinstance(world_size, tuple) else (max(1, (world_size or 4) // 2), 2)
+        dims = [("explain_replicate", shape[0]), ("explain_shard", shape[1])]
     else:
         dims = [("explain", world_size or 2)]
     sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
