@@ -259,7 +259,8 @@ class CompiledStep:
                 fn=self.fn, sa=sa, dynamic_dims=dynamic, rank=dist.get_rank(group),
                 world_size=dist.get_world_size(group), group_name=group.group_name, options=dict(
                     mode=self.parallel_mode, backend=self.backend, check_ranks=self.check_ranks,
-                    gm_transformation=self.gm_transformation))
+                    gm_transformation=self.gm_transformation, mesh=None if self.mesh is None
+                    else (tuple(self.mesh.shape), self.mesh.mesh_dim_names)))
             stored = cache.load(cache_dir, disk_key)
         except Exception as e:  # noqa: BLE001 - the cache never stops a compile
             log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)

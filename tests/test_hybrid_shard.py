@@ -169,6 +169,18 @@ def hybrid_job(optim_name: str) -> dict:
                 if v.dim():
                     chk.check(tuple(v.placements) == (Replicate(), Shard(0)),
                               f"step {i}: state {name}.{k} placements {v.placements}")
+    x, y = _batch(999)
+    with torch.no_grad():  # the model used outside the step gathers over the shard dim
+        chk.close("param", "eval outside the step", model(x), hsdp(x))
+    # an eager backward outside the step: gradients reduce-scattered, then all-reduced over the
+    # replicate dim, as HSDP's
+    hsdp_opt.zero_grad()
+    ((model(x) - y) ** 2).sum().backward()
+    ((hsdp(x) - y) ** 2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), hsdp.parameters()):
+        chk.check(p.grad is not None and tuple(p.grad.placements) == tuple(q.grad.placements),
+                  f"eager backward: {name}.grad {getattr(p.grad, 'placements', None)}")
+        chk.close("param", f"eager backward: {name}.grad", p.grad.full_tensor(), q.grad.full_tensor())
     gm = step.last_compiled.traced.gm
     per_dim: dict[str, int] = {}
     for n in gm.graph.nodes:
