@@ -295,3 +295,45 @@ def test_checkpoint_hybrid_4_to_fully_shard_2(pool4, pool2, tmp_path):
     pool4.run(save_job, str(tmp_path), timeout=300)
     for rank, rep in enumerate(pool2.run(load_job, str(tmp_path), timeout=300)):
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+
+
+# --------------------------------------------------------------------------------------------------
+# The expansion of each layout, and what the cross-rank check compares (one process)
+# --------------------------------------------------------------------------------------------------
+
+
+def _expanded(names: tuple[str, str], placements):
+    from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
+    from spmd_compiler.passes.bucketing import bucket_collectives
+    from tests.test_passes import _traced
+
+    layout = [MeshDim(n, 2, p) for n, p in zip(names, placements)]
+    return bucket_collectives(expand_data_parallel(_traced(clip=True).gm, layout))
+
+
+def test_collectives_follow_the_placements_per_mesh_dim():
+    """(Replicate, Shard(0)): gathers and reduce-scatters on the shard dim's group only, one
+    all_reduce of the whole reduce-scatter bucket on the replicate dim's, the gradient norm
+    completed on the shard dim. The cross-rank description names mesh dims, not groups: the
+    same on ranks whose groups differ, different when the layout is swapped."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmd_compiler.consistency import describe_graph
+    from spmd_compiler.passes import meta
+
+    gm = _expanded(("rep_a", "shard_a"), (Replicate(), Shard(0)))
+    c10d = torch.ops._c10d_functional
+    groups: dict[str, list[str]] = {}
+    for n in gm.graph.nodes:
+        if meta.COLLECTIVE in n.meta:
+            groups.setdefault(n.meta[meta.COLLECTIVE]["kind"], []).append(n.args[-1])
+    assert set(groups["all_gather"]) == set(groups["reduce_scatter"]) == {"shard_a"}, groups
+    assert groups["all_reduce"].count("rep_a") == 1, groups  # the gradient bucket
+    assert set(groups["all_reduce"]) == {"rep_a", "shard_a"}, groups  # + the norms (shard dim)
+    bucket_ar = next(n for n in gm.graph.nodes if n.target is c10d.all_reduce.default
+                     and n.args[-1] == "rep_a")
+    assert bucket_ar.args[0].args[0].target is c10d.reduce_scatter_tensor.default
+    other_rank = describe_graph(_expanded(("rep_b", "shard_b"), (Replicate(), Shard(0))))
+    assert describe_graph(gm) == other_rank
+    swapped = describe_graph(_expanded(("shard_a", "rep_a"), (Shard(0), Replicate())))
+    assert swapped != describe_graph(gm)
