@@ -856,8 +856,11 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         if role == Role.PARAM:
             fqn = n.meta.get(PARAM_FQN, n.name)
             val = n.meta.get("val")
+            placement = placement_str(n.meta.get(PLACEMENT))
+            if several_dims:  # the outer dims of a data-parallel mesh replicate
+                placement = f"({', '.join(['R'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
             params.append(ParamStat(
-                fqn, placement_str(n.meta.get(PLACEMENT)), tuple(sizer.size(s) for s in val.shape),
+                fqn, placement, tuple(sizer.size(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
             persistent["params"] += nbytes
             persistent["grads"] += nbytes if fqn in kept_grads else 0
