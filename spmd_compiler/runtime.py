@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import sys
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -60,10 +61,17 @@ def is_sharded(t: Any) -> bool:
     return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
 
 
+_FLAT_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, Any]" = weakref.WeakKeyDictionary()
+
+
 def mesh_group(mesh: DeviceMesh):
     """One process group over every rank of ``mesh`` (the cross-rank agreement's): the mesh's
-    own for a 1-D mesh, its flattened dim for a larger one."""
-    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+    own for a 1-D mesh, its flattened dim for a larger one (made once per mesh)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh not in _FLAT_GROUPS:
+        _FLAT_GROUPS[mesh] = mesh._flatten().get_group()
+    return _FLAT_GROUPS[mesh]
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], mesh: DeviceMesh) -> None:
