@@ -133,7 +133,17 @@ def test_sub_mesh(pool4):
 # --------------------------------------------------------------------------------------------------
 
 
-def hybrid_job(optim_name: str) -> dict:
+# name -> (optimizer, DataParallel options)
+CASES = {
+    "adam": ("adam", {}),
+    "sgd_clip": ("sgd_clip", {}),
+    # one collective per parameter and dim, each waited on at once, gathered again for the backward
+    "adam_unbucketed_no_overlap": ("adam", dict(bucket_cap_mb=None, prefetch_cap_mb=0,
+                                                 reduce_cap_mb=0, overlap=False)),
+}
+
+
+def hybrid_job(case: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -143,6 +153,7 @@ def hybrid_job(optim_name: str) -> dict:
     from spmd_compiler.passes import meta
     from spmd_compiler.passes.expand import mesh_dim_of
 
+    optim_name, options = CASES[case]
     step_fn, make_opt = OPTIMS[optim_name]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -151,7 +162,7 @@ def hybrid_job(optim_name: str) -> dict:
     for m in (hsdp.net1, hsdp.net2, hsdp):
         fully_shard(m, mesh=mesh)
     opt, hsdp_opt, ddp_opt = (make_opt(m.parameters()) for m in (model, hsdp, ddp))
-    step = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh)(step_fn)
+    step = spmd_compile(DataParallel("hybrid_shard", **options), mesh=mesh)(step_fn)
     chk = _Checker()
     for i in range(STEPS):
         x, y = _batch(100 + i)
@@ -196,9 +207,9 @@ def hybrid_job(optim_name: str) -> dict:
     return dict(problems=chk.problems, max_err=chk.max_err, per_dim=per_dim)
 
 
-@pytest.mark.parametrize("optim_name", sorted(OPTIMS))
-def test_hybrid_shard_matches_hsdp_and_ddp(pool4, optim_name, record_property):
-    reps = pool4.run(hybrid_job, optim_name, timeout=300)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hybrid_shard_matches_hsdp_and_ddp(pool4, case, record_property):
+    reps = pool4.run(hybrid_job, case, timeout=300)
     for rank, rep in enumerate(reps):
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
