@@ -1,5 +1,7 @@
-"""fully_shard (ZeRO-3 / FSDP-like) expansion: parameters, gradients and optimizer state live as
-dim-0 shards; parameters are all-gathered just in time, gradients reduce-scattered.
+"""The ``Shard(0)`` mesh dim of the expansion (passes/expand.py; fully_shard, ZeRO-3 / FSDP-like,
+and the shard dim of hybrid_shard): parameters, gradients and optimizer state live as dim-0
+shards; parameters are all-gathered just in time, gradients reduce-scattered (expand.py inserts
+those), and the optimizer's reductions over shards are completed.
 
 Layout: a parameter with ``n`` rows is padded to ``rows * world`` rows, ``rows = ceil(n / world)``;
 rank r holds rows ``[r * rows, (r + 1) * rows)``, so every collective is even. Padding rows are
