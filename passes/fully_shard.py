@@ -1,5 +1,7 @@
-"""fully_shard (ZeRO-3 / FSDP-like) expansion: parameters, gradients and optimizer state live as
-dim-0 shards; parameters are all-gathered just in time, gradients reduce-scattered.
+"""The ``Shard(0)`` mesh dim of the expansion (passes/expand.py; fully_shard, ZeRO-3 / FSDP-like,
+and the shard dim of hybrid_shard): parameters, gradients and optimizer state live as dim-0
+shards; parameters are all-gathered just in time, gradients reduce-scattered (expand.py inserts
+those), and the optimizer's reductions over shards are completed.
 
 Layout: a parameter with ``n`` rows is padded to ``rows * world`` rows, ``rows = ceil(n / world)``;
 rank r holds rows ``[r * rows, (r + 1) * rows)``, so every collective is even. Padding rows are
@@ -9,9 +11,8 @@ not sharded (their gradients are all-reduced as in replicate).
 
 from __future__ import annotations
 
-from collections import deque
-
 import operator
+from collections import deque
 
 import torch
 import torch.fx as fx
@@ -19,7 +20,6 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
 from .collectives import aten, c10d, insert_call, insert_collective
-from .replicate import broadcast_buffers_from_rank0
 
 _VIEW_OR_CAST = {
     aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -41,7 +41,7 @@ def shard_rows(n: int, world: int) -> int:
     return -(-n // world)
 
 
-def _shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
+def shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
     """A fake tensor of the padded local shard's shape."""
     shape = (shard_rows(val.shape[0], world),) + tuple(val.shape[1:])
     return val.new_empty(shape)
@@ -87,21 +87,34 @@ def expand_fully_shard(
     gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
     broadcast_buffers: bool = True,
 ) -> fx.GraphModule:
-    """Turn a traced (unsharded) step into the fully_shard step.
+    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
 
-    Reads: ROLE (PARAM / OPT_STATE / BUFFER placeholders, GRAD nodes), PARAM_FQN, REGION,
-    node.meta["val"]. Writes: PARAM and same-shaped OPT_STATE placeholders become padded dim-0
-    shards (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
+    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
+    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
+    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
+    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
+    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
+    """
+    from .expand import MeshDim, expand_data_parallel
+
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
+                                reshard_after_forward=reshard_after_forward,
+                                broadcast_buffers=broadcast_buffers)
+
+
+def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
+                     reshard_after_forward: bool = True) -> dict[str, tuple[fx.Node, torch.Tensor]]:
+    """Make the parameters dim-0 shards over ``group_name``; return the sharded ones
+    {fqn: (placeholder, full val)}.
+
+    Reads: ROLE (PARAM / OPT_STATE placeholders), PARAM_FQN, REGION, node.meta["val"]. Writes:
+    PARAM (other than 0-d) and same-shaped OPT_STATE placeholders become padded dim-0 shards
+    (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
     forward use, and with ``reshard_after_forward`` a second gather (and re-derived views) before
-    its first backward use; each gradient padded, divided by the world size and
-    ``reduce_scatter``-ed, its optimizer uses reading the shard (the wait, marked SYNCED_GRAD);
-    reductions over shards inside the optimizer region (e.g. a global grad norm) get the
-    all_reduce that makes them whole. Buffers are broadcast from rank 0 as in replicate.
+    its first backward use.
     """
     graph = gm.graph
     world = world_size
-    if broadcast_buffers:
-        broadcast_buffers_from_rank0(graph, group_name, world)
     order = {n: i for i, n in enumerate(graph.nodes)}
     params = {}
     for node in list(graph.nodes):
@@ -110,7 +123,6 @@ def expand_fully_shard(
         if role == meta.Role.PARAM and val.dim() > 0:
             params[node.meta[meta.PARAM_FQN]] = (node, val)
     param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in params.items()}
-
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
@@ -121,7 +133,7 @@ def expand_fully_shard(
             tuple(val.shape) == param_shapes[fqn]
         ):
             node.meta[LOGICAL_SHAPE] = tuple(val.shape)
-            node.meta["val"] = _shard_val(val, world)
+            node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
 
     for fqn, (param, full_val) in params.items():
@@ -158,41 +170,20 @@ def expand_fully_shard(
                 if d in u.all_input_nodes:
                     u.replace_input_with(d, again[d])
 
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
-        fqn = grad.meta[meta.PARAM_FQN]
-        users = list(grad.users)
-        val = grad.meta["val"]
-        region = grad.meta.get(meta.REGION)
-        with graph.inserting_before(grad.next):
-            if fqn in params:
-                rows = shard_rows(val.shape[0], world)
-                pad = rows * world - val.shape[0]
-                x = grad
-                if pad:
-                    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
-                    x = insert_call(graph, aten.constant_pad_nd.default,
-                                    (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
-                                    val=padded_val, region=region)
-                x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
-                reduced = insert_collective(
-                    graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
-                    val=_shard_val(val, world), region=region, kind="reduce_scatter", params=[fqn],
-                )
-                reduced.meta[meta.PLACEMENT] = Shard(0)
-                reduced.meta[LOGICAL_SHAPE] = tuple(val.shape)
-            else:
-                x = insert_call(graph, aten.div.Tensor, (grad, world), like=grad)
-                reduced = insert_collective(
-                    graph, c10d.all_reduce.default, (x, "sum", group_name),
-                    val=val, region=region, kind="all_reduce", params=[fqn],
-                )
-        reduced.meta[meta.SYNCED_GRAD] = fqn
-        for u in users:
-            u.replace_input_with(grad, reduced)
+    return params
 
-    gm.recompile()
-    _reduce_optimizer_partials(gm, group_name, world)
-    return gm
+
+def padded_gradient(graph: fx.Graph, grad: fx.Node, world: int) -> fx.Node:
+    """``grad`` padded with zero rows to a multiple of ``world`` rows (at the insert point)."""
+    val = grad.meta["val"]
+    rows = shard_rows(val.shape[0], world)
+    pad = rows * world - val.shape[0]
+    if not pad:
+        return grad
+    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
+    return insert_call(graph, aten.constant_pad_nd.default,
+                       (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
+                       val=padded_val, region=grad.meta.get(meta.REGION))
 
 
 _NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar, aten.norm.Scalar,
@@ -205,7 +196,7 @@ def _values(val):
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
-def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
+def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
     """All-reduce the optimizer region's reductions over shards (a gradient norm for clipping, a
     sum) right where they are computed, so everything after them sees whole values.
 
@@ -260,10 +251,10 @@ def _to_shard_vals(node: fx.Node, logical: set[tuple], world: int) -> None:
     sizes read off the graph (the memory estimate) are the local ones."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and tuple(val.shape) in logical and val.dim() > 0:
-        node.meta["val"] = _shard_val(val, world)
+        node.meta["val"] = shard_val(val, world)
     elif isinstance(val, (list, tuple)):
         node.meta["val"] = type(val)(
-            _shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
+            shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
             and v.dim() > 0 else v for v in val)
 
 

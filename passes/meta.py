@@ -56,3 +56,6 @@ BUCKET = "spmd_bucket"  # int: bucket index of a collective node
 # list[str]: the parameters whose averaged gradients passes/grad_outputs.py appended, in order,
 # to the end of the graph's outputs.
 KEPT_GRADS = "spmd_kept_grads"
+# list[str]: the process group name of each mesh dim, outermost first (passes/expand.py), so a
+# collective's group names the mesh dim it runs on.
+MESH_DIMS = "spmd_mesh_dims"

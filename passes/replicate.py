@@ -1,8 +1,10 @@
-"""Replicate (DDP-like) expansion: average every parameter gradient over the ranks."""
+"""Replicate (DDP-like) layout: average every parameter gradient over the ranks; buffers
+broadcast from rank 0."""
 
 from __future__ import annotations
 
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Replicate
 
 from . import meta
 from .collectives import aten, c10d, insert_call, insert_collective
@@ -11,33 +13,18 @@ from .collectives import aten, c10d, insert_call, insert_collective
 def expand_replicate(
     gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True
 ) -> fx.GraphModule:
-    """Insert the collectives that make a traced step DDP's data-parallel step.
+    """The replicate layout (``Replicate()`` on a 1-D mesh) of passes/expand.py's expansion.
 
-    Reads: ROLE (GRAD nodes, BUFFER placeholders), PARAM_FQN, REGION, node.meta["val"].
     Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
     (DDP divides before it sums); every later use of the gradient reads the averaged value
     (the wait node, marked SYNCED_GRAD).
     With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
     of the step (DDP's default). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
     """
-    graph = gm.graph
-    if broadcast_buffers:
-        broadcast_buffers_from_rank0(graph, group_name, world_size)
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
-        users = list(grad.users)
-        val = grad.meta["val"]
-        with graph.inserting_before(grad.next):  # inserting_before keeps insertion order
-            scaled = insert_call(graph, aten.div.Tensor, (grad, world_size), like=grad)
-            averaged = insert_collective(
-                graph, c10d.all_reduce.default, (scaled, "sum", group_name),
-                val=val, region=grad.meta.get(meta.REGION), kind="all_reduce",
-                params=[grad.meta[meta.PARAM_FQN]],
-            )
-        averaged.meta[meta.SYNCED_GRAD] = grad.meta[meta.PARAM_FQN]
-        for user in users:
-            user.replace_input_with(grad, averaged)
-    gm.recompile()
-    return gm
+    from .expand import MeshDim, expand_data_parallel
+
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Replicate())],
+                                broadcast_buffers=broadcast_buffers)
 
 
 def broadcast_buffers_from_rank0(graph: fx.Graph, group_name: str, world_size: int) -> None:
