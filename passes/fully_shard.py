@@ -1,5 +1,7 @@
-"""fully_shard (ZeRO-3 / FSDP-like) expansion: parameters, gradients and optimizer state live as
-dim-0 shards; parameters are all-gathered just in time, gradients reduce-scattered.
+"""The ``Shard(0)`` mesh dim of the expansion (passes/expand.py; fully_shard, ZeRO-3 / FSDP-like,
+and the shard dim of hybrid_shard): parameters, gradients and optimizer state live as dim-0
+shards; parameters are all-gathered just in time, gradients reduce-scattered (expand.py inserts
+those), and the optimizer's reductions over shards are completed.
 
 Layout: a parameter with ``n`` rows is padded to ``rows * world`` rows, ``rows = ceil(n / world)``;
 rank r holds rows ``[r * rows, (r + 1) * rows)``, so every collective is even. Padding rows are
@@ -9,9 +11,8 @@ not sharded (their gradients are all-reduced as in replicate).
 
 from __future__ import annotations
 
-from collections import deque
-
 import operator
+from collections import deque
 
 import torch
 import torch.fx as fx
@@ -19,7 +20,6 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
 from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
-from .replicate import broadcast_buffers_from_rank0
 
 _VIEW_OR_CAST = {
     aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -41,7 +41,7 @@ def shard_rows(n: int, world: int) -> int:
     return -(-n // world)
 
 
-def _shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
+def shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
     """A fake tensor of the padded local shard's shape."""
     shape = (shard_rows(val.shape[0], world),) + tuple(val.shape[1:])
     return val.new_empty(shape)
@@ -103,35 +103,39 @@ def expand_fully_shard(
     divide_after_sum: bool = False, sync_grads: bool = True,
     accumulate_cap_bytes: int | None = None,
 ) -> fx.GraphModule:
-    """Turn a traced (unsharded) step into the fully_shard step.
+    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
 
-    Reads: ROLE (PARAM / OPT_STATE / BUFFER placeholders, GRAD nodes), PARAM_FQN, REGION,
-    node.meta["val"]. Writes: PARAM and same-shaped OPT_STATE placeholders become padded dim-0
-    shards (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
+    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
+    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
+    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
+    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
+    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
+    Mixed precision, the division's order, accumulation: see ``expand_data_parallel``.
+    """
+    from .expand import MeshDim, expand_data_parallel
+
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
+                                reshard_after_forward=reshard_after_forward,
+                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+                                divide_after_sum=divide_after_sum, sync_grads=sync_grads,
+                                accumulate_cap_bytes=accumulate_cap_bytes)
+
+
+def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
+                     reshard_after_forward: bool = True) -> dict[str, tuple[fx.Node, torch.Tensor]]:
+    """Make the parameters dim-0 shards over ``group_name``; return the sharded ones
+    {fqn: (placeholder, full val)}.
+
+    Reads: ROLE (PARAM / OPT_STATE placeholders), PARAM_FQN, REGION, node.meta["val"]. Writes:
+    PARAM (other than 0-d) and same-shaped OPT_STATE placeholders become padded dim-0 shards
+    (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
     forward use, and with ``reshard_after_forward`` a second gather (and re-derived views) before
-    its first backward use; each gradient padded, divided by the world size and
-    ``reduce_scatter``-ed, its optimizer uses reading the shard (the wait, marked SYNCED_GRAD);
-    reductions over shards inside the optimizer region (e.g. a global grad norm) get the
-    all_reduce that makes them whole. Buffers are broadcast from rank 0 as in replicate.
-
-    A parameter whose every use outside the optimizer is the same cast (mixed precision's
-    ``param_dtype``) is gathered in the cast dtype: the shard is cast before each gather, as
-    FSDP2 does, and the gathered tensor replaces the casts. With ``reduce_dtype`` a gradient of
-    another dtype is cast to it before the division and back after the reduce-scatter. With
-    ``divide_after_sum`` the reduced sum is divided instead of each rank's gradient.
-    ``sync_grads=False`` (a step that only accumulates gradients) leaves the gradients whole
-    and local: no reduce-scatter.
-
-    Gradients accumulated over micro-batches in the step (an ``add_`` chain per parameter) are
-    summed unsharded and reduce-scattered once while their full-size bytes over all parameters
-    stay within ``accumulate_cap_bytes`` (None: no limit); beyond it each micro-batch's gradient
-    is reduce-scattered and the shards are summed (FSDP2's default: less memory, one
-    reduce-scatter per micro-batch). The choice is noted in ``gm.meta[NOTES]``.
+    its first backward use. A parameter whose every use outside the optimizer is the same cast
+    (mixed precision's ``param_dtype``) is gathered in the cast dtype: the shard is cast before
+    each gather, as FSDP2 does, and the gathered tensor replaces the casts.
     """
     graph = gm.graph
     world = world_size
-    if broadcast_buffers:
-        broadcast_buffers_from_rank0(graph, group_name, world)
     order = {n: i for i, n in enumerate(graph.nodes)}
     params = {}
     for node in list(graph.nodes):
@@ -140,7 +144,6 @@ def expand_fully_shard(
         if role == meta.Role.PARAM and val.dim() > 0:
             params[node.meta[meta.PARAM_FQN]] = (node, val)
     param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in params.items()}
-
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
@@ -151,7 +154,7 @@ def expand_fully_shard(
             tuple(val.shape) == param_shapes[fqn]
         ):
             node.meta[LOGICAL_SHAPE] = tuple(val.shape)
-            node.meta["val"] = _shard_val(val, world)
+            node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
 
     for fqn, (param, full_val) in params.items():
@@ -197,70 +200,23 @@ def expand_fully_shard(
                 if d in u.all_input_nodes:
                     u.replace_input_with(d, again[d])
 
-    grads = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]
-    parts = {g: _micro_batch_parts(g) for g in grads if g.meta[meta.PARAM_FQN] in params}
-    accumulated = {g: p for g, p in parts.items() if p}
-    full_bytes = sum(g.meta["val"].numel() * g.meta["val"].element_size() for g in accumulated)
-    per_micro_batch = bool(accumulated) and sync_grads and (
-        accumulate_cap_bytes is not None and full_bytes > accumulate_cap_bytes)
-    if accumulated and sync_grads:
-        gm.meta.setdefault(meta.NOTES, {})["fully_shard"] = (
-            f"{max(map(len, accumulated.values()))} micro-batches: "
-            + (f"each micro-batch's gradients reduce-scattered ({full_bytes} B of full-size "
-               f"gradients exceed the {accumulate_cap_bytes} B cap)" if per_micro_batch else
-               f"gradients accumulated unsharded ({full_bytes} B), reduce-scattered once"))
-    for grad in grads if sync_grads else []:
-        fqn = grad.meta[meta.PARAM_FQN]
-        if per_micro_batch and grad in accumulated:
-            _reduce_scatter_parts(graph, grad, accumulated[grad], world, group_name,
-                                  reduce_dtype, divide_after_sum)
-            continue
-        users = list(grad.users)
-        val = grad.meta["val"]
-        region = grad.meta.get(meta.REGION)
-        cast = reduce_dtype is not None and reduce_dtype != val.dtype
-        with graph.inserting_before(grad.next):
-            x = insert_cast(graph, grad, reduce_dtype) if cast else grad
-            if fqn in params:
-                rows = shard_rows(val.shape[0], world)
-                pad = rows * world - val.shape[0]
-                if pad:
-                    xval = x.meta["val"]
-                    padded_val = xval.new_empty((rows * world,) + tuple(val.shape[1:]))
-                    x = insert_call(graph, aten.constant_pad_nd.default,
-                                    (x, [0, 0] * (val.dim() - 1) + [0, pad]),
-                                    val=padded_val, region=region)
-                if not divide_after_sum:
-                    x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
-                reduced = insert_collective(
-                    graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
-                    val=_shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
-                    params=[fqn],
-                )
-                reduced.meta[meta.PLACEMENT] = Shard(0)
-            else:
-                if not divide_after_sum:
-                    x = insert_call(graph, aten.div.Tensor, (x, world), like=x)
-                reduced = insert_collective(
-                    graph, c10d.all_reduce.default, (x, "sum", group_name),
-                    val=x.meta["val"], region=region, kind="all_reduce", params=[fqn],
-                )
-        reduced = finish_reduction(graph, reduced, users,
-                                   divide_by=world if divide_after_sum else None,
-                                   dtype=val.dtype if cast else None)
-        if fqn in params:
-            reduced.meta[meta.PLACEMENT] = Shard(0)
-            reduced.meta[LOGICAL_SHAPE] = tuple(val.shape)
-        reduced.meta[meta.SYNCED_GRAD] = fqn
-        for u in users:
-            u.replace_input_with(grad, reduced)
-
-    gm.recompile()
-    _reduce_optimizer_partials(gm, group_name, world)
-    return gm
+    return params
 
 
-def _micro_batch_parts(grad: fx.Node) -> list[fx.Node] | None:
+def padded_gradient(graph: fx.Graph, grad: fx.Node, world: int) -> fx.Node:
+    """``grad`` padded with zero rows to a multiple of ``world`` rows (at the insert point)."""
+    val = grad.meta["val"]
+    rows = shard_rows(val.shape[0], world)
+    pad = rows * world - val.shape[0]
+    if not pad:
+        return grad
+    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
+    return insert_call(graph, aten.constant_pad_nd.default,
+                       (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
+                       val=padded_val, region=grad.meta.get(meta.REGION))
+
+
+def micro_batch_parts(grad: fx.Node) -> list[fx.Node] | None:
     """The per-micro-batch gradients autograd accumulated into ``grad`` (``add_(add_(detach(g1),
     g2), g3)``, each link used once), first to last; None if ``grad`` is not such a chain."""
     parts, node = [], grad
@@ -276,7 +232,7 @@ def _micro_batch_parts(grad: fx.Node) -> list[fx.Node] | None:
     return [node.args[0]] + parts[::-1]
 
 
-def _reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, divide_after_sum):
+def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, divide_after_sum):
     """Reduce-scatter each micro-batch's gradient right after it is computed and sum the
     shards; the sum replaces ``grad`` (the unsharded ``add_`` chain is erased)."""
     val = grad.meta["val"]
@@ -299,7 +255,7 @@ def _reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, d
                 x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
             shard = insert_collective(
                 graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
-                val=_shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
+                val=shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
                 params=[fqn])
         shard.args[0].meta[meta.MICRO_BATCH] = index
         shards.append(shard)
@@ -338,7 +294,7 @@ def _values(val):
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
-def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
+def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
     """All-reduce the optimizer region's reductions over shards (a gradient norm for clipping, a
     sum) right where they are computed, so everything after them sees whole values.
 
@@ -393,10 +349,10 @@ def _to_shard_vals(node: fx.Node, logical: set[tuple], world: int) -> None:
     sizes read off the graph (the memory estimate) are the local ones."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and tuple(val.shape) in logical and val.dim() > 0:
-        node.meta["val"] = _shard_val(val, world)
+        node.meta["val"] = shard_val(val, world)
     elif isinstance(val, (list, tuple)):
         node.meta["val"] = type(val)(
-            _shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
+            shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
             and v.dim() > 0 else v for v in val)
 
 

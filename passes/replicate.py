@@ -1,9 +1,11 @@
-"""Replicate (DDP-like) expansion: average every parameter gradient over the ranks."""
+"""Replicate (DDP-like) layout: average every parameter gradient over the ranks; buffers
+broadcast from rank 0."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Replicate
 
 from . import meta
 from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
@@ -14,9 +16,8 @@ def expand_replicate(
     reduce_dtype: torch.dtype | None = None, divide_after_sum: bool = False,
     sync_grads: bool = True,
 ) -> fx.GraphModule:
-    """Insert the collectives that make a traced step DDP's data-parallel step.
+    """The replicate layout (``Replicate()`` on a 1-D mesh) of passes/expand.py's expansion.
 
-    Reads: ROLE (GRAD nodes, BUFFER placeholders), PARAM_FQN, REGION, node.meta["val"].
     Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
     (DDP divides before it sums); every later use of the gradient reads the averaged value
     (the wait node, marked SYNCED_GRAD). With ``reduce_dtype`` (mixed precision) a gradient of
@@ -27,31 +28,11 @@ def expand_replicate(
     With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
     of the step (DDP's default). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
     """
-    graph = gm.graph
-    if broadcast_buffers:
-        broadcast_buffers_from_rank0(graph, group_name, world_size)
-    grads = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]
-    for grad in grads if sync_grads else []:
-        users = list(grad.users)
-        val = grad.meta["val"]
-        cast = reduce_dtype is not None and reduce_dtype != val.dtype
-        with graph.inserting_before(grad.next):  # inserting_before keeps insertion order
-            x = insert_cast(graph, grad, reduce_dtype) if cast else grad
-            scaled = x if divide_after_sum else insert_call(
-                graph, aten.div.Tensor, (x, world_size), like=x)
-            averaged = insert_collective(
-                graph, c10d.all_reduce.default, (scaled, "sum", group_name),
-                val=x.meta["val"], region=grad.meta.get(meta.REGION), kind="all_reduce",
-                params=[grad.meta[meta.PARAM_FQN]],
-            )
-        averaged = finish_reduction(graph, averaged, users,
-                                    divide_by=world_size if divide_after_sum else None,
-                                    dtype=val.dtype if cast else None)
-        averaged.meta[meta.SYNCED_GRAD] = grad.meta[meta.PARAM_FQN]
-        for user in users:
-            user.replace_input_with(grad, averaged)
-    gm.recompile()
-    return gm
+    from .expand import MeshDim, expand_data_parallel
+
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Replicate())],
+                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+                                divide_after_sum=divide_after_sum, sync_grads=sync_grads)
 
 
 def broadcast_buffers_from_rank0(graph: fx.Graph, group_name: str, world_size: int) -> None:
