@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from torch._subclasses._fake_tensor_utils import _CacheKeyState
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.sym_node import SymNode
 
@@ -56,14 +57,14 @@ def test_faster_recording_records_the_same(dynamic_dims, monkeypatch):
 
 def test_torch_functions_restored_after_recording():
     before = {m: getattr(SymNode, f"_{m}") for m in PURE_BINARY}
-    set_meta = proxy_tensor.set_meta
+    set_meta, convert = proxy_tensor.set_meta, _CacheKeyState.convert_sym_int
     with faster_symbolic_recording():
         assert all(getattr(SymNode, f"_{m}") is not before[m] for m in PURE_BINARY)
         with faster_symbolic_recording():  # re-entrant: the inner one changes nothing
             pass
         assert proxy_tensor.set_meta is not set_meta
     assert {m: getattr(SymNode, f"_{m}") for m in PURE_BINARY} == before
-    assert proxy_tensor.set_meta is set_meta
+    assert proxy_tensor.set_meta is set_meta and _CacheKeyState.convert_sym_int is convert
     with pytest.raises(RuntimeError), faster_symbolic_recording():
         raise RuntimeError("restored on errors too")
     assert {m: getattr(SymNode, f"_{m}") for m in PURE_BINARY} == before
