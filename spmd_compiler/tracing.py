@@ -47,6 +47,8 @@ from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
 
 from . import fake_kernels  # noqa: F401  (Meta kernels the fused optimizers lack)
+from .recording_speed import faster_symbolic_recording
+from .size_oblivious_reshape import size_oblivious_reshape
 from .errors import (
     BatchDimError,
     MissingGradientError,
@@ -768,7 +770,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     try:
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
-        with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True), \
+                faster_symbolic_recording(), size_oblivious_reshape():
             gm = record(stateless_step, module, source_files)(
                 *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
                 *fake_inputs, *fake_grads,
