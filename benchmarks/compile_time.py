@@ -256,6 +256,11 @@ def measure(args) -> dict:
                                                           mode=mode, cache_dir=cache), None)
                 results["first_calls"][f"{depth}/{mode}"] = runs
                 print(f"first calls depth {depth} {mode}: {runs}", flush=True)
+            if args.baseline_src:  # no cache: the calls that compile
+                before = _run_worker("ranks", dict(kind="first calls", depth=depth, mode=mode),
+                                     args.baseline_src)
+                results.setdefault("first_calls_before", {})[f"{depth}/{mode}"] = before
+                print(f"first calls before depth {depth} {mode}: {before}", flush=True)
     lengths = [[padded_length(i, r) for r in range(2)] for i in range(args.steps)]
     equal = [[padded_length(i, 0)] * 2 for i in range(args.steps)]
     runs = [("ddp", "ddp", lengths, False, None), ("spmd replicate", "replicate", lengths, False, None),
@@ -350,6 +355,17 @@ def markdown(res: dict, cfg: dict) -> str:
             calls += [f"{w:.2f} ({c:.2f})" for w, c in zip(b["calls"], b["cpu"])] if b else ["-"] * 3
             loaded = f"{b['hits']}/{b['compiles']}" if b else "-"
             lines.append(f"| {d} | {m} | " + " | ".join(calls) + f" | {loaded} |")
+    before = res.get("first_calls_before") or {}
+    if before:
+        lines += ["", "The same first calls with the baseline source (no cache), for comparison:", "",
+                  "| depth | mode | before: call 1 | call 2 | call 3 | after: call 1 | call 2 | call 3 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for d in depths:
+            for m in ("replicate", "fully_shard"):
+                b, a = before.get(f"{d}/{m}"), (res["first_calls"].get(f"{d}/{m}") or {}).get("first run")
+                calls = [f"{w:.2f} ({c:.2f})" for w, c in zip(b["calls"], b["cpu"])] if b else ["-"] * 3
+                calls += [f"{w:.2f} ({c:.2f})" for w, c in zip(a["calls"], a["cpu"])] if a else ["-"] * 3
+                lines.append(f"| {d} | {m} | " + " | ".join(calls) + " |")
     lines += ["", "## Padding-per-batch lengths against DDP", "",
               f"{cfg['steps']} steps of the depth-2 model; every rank pads each of its batches to "
               "its own longest sequence, so lengths change every step and differ across ranks "

@@ -9,6 +9,11 @@ throughput, and checkpoints with torch.distributed.checkpoint that a restarted j
 (``--ckpt-dir``; torchrun's ``--max-restarts`` restarts it after a failure). The same script
 runs on CPU (gloo) and on CUDA (NCCL, one GPU per process): the backend follows the device.
 
+``--mode hybrid_shard`` shards within a node and replicates across nodes (a 2-D mesh of
+nodes x processes per node, from torchrun's environment):
+
+    torchrun --nnodes 2 --nproc-per-node 8 ... examples/train.py --mode hybrid_shard
+
 ``--mode ddp`` / ``--mode fsdp2`` run the same loop with torch's DistributedDataParallel and
 FSDP2 (``fully_shard``) instead of the compiled step, to compare results and speed.
 
@@ -100,7 +105,7 @@ def train_step(model, optim, batch, max_norm: float):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--mode", default="fully_shard", choices=["replicate", "fully_shard", "ddp", "fsdp2"],
+    p.add_argument("--mode", default="fully_shard", choices=["replicate", "fully_shard", "hybrid_shard", "ddp", "fsdp2"],
                    help="spmd_compiler's DataParallel style, or torch's DDP / FSDP2 for comparison")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
     p.add_argument("--batch-size", type=int, default=64, help="local batch size per rank")
@@ -180,7 +185,8 @@ def evaluate(model, loader, device, mode: str) -> tuple[float, float]:
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     # unsharded: gather a fully_shard model's parameters once for the whole loop (every rank
     # runs it); without it each model(x) gathers them itself.
-    whole = unsharded(model) if mode in ("replicate", "fully_shard") else contextlib.nullcontext()
+    spmd = mode in ("replicate", "fully_shard", "hybrid_shard")
+    whole = unsharded(model) if spmd else contextlib.nullcontext()
     with torch.no_grad(), whole:
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -220,6 +226,13 @@ def main(argv=None) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_schedule(args.warmup, args.steps))
     if args.mode in ("replicate", "fully_shard"):
         step_fn = spmd_compile(DataParallel(args.mode))(train_step)
+    elif args.mode == "hybrid_shard":  # shard within a node, replicate across nodes
+        from torch.distributed.device_mesh import init_device_mesh
+
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        mesh = init_device_mesh(device.type, (world // per_node, per_node),
+                                mesh_dim_names=("replicate", "shard"))
+        step_fn = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh)(train_step)
     else:
         step_fn = train_step
 

@@ -434,7 +434,8 @@ class _Analysis:
                 for i, out in enumerate(outs)]
 
     def collective(self, node, name, val):
-        """Functional collectives: all_reduce makes Partial data Replicate, all_gather gathers
+        """Functional collectives: all_reduce makes Partial data Replicate (and keeps a parameter
+        shard a shard: hybrid sharding sums shards over the replicate dim), all_gather gathers
         shards into Replicate, reduce_scatter scatters Partial data into Shard(0) parameter shards;
         wait_tensor passes its input through."""
         if name == "wait_tensor":
@@ -444,8 +445,10 @@ class _Analysis:
             if self.batch_dims(v):
                 _fail(node, f"{name} of batch-sharded data: the expansion only communicates "
                             "gradients, parameters and buffers")
-            if name.startswith("all_reduce") and not isinstance(p, Shard):
-                return Replicate()
+            if name.startswith("all_reduce"):
+                # a parameter shard summed over another mesh dim's replicas (hybrid sharding)
+                # stays a shard; anything else becomes whole
+                return p if isinstance(p, Shard) else Replicate()
             if name.startswith("all_gather") and not isinstance(p, Partial):
                 return Replicate()
             if name.startswith("reduce_scatter") and not isinstance(p, Shard):

@@ -32,7 +32,8 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
     output are smaller than ``own_cap`` bytes (larger ones keep their own collective)."""
     out = []
     for node in graph.nodes:
-        if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params"):
+        if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params") \
+                or meta.BUCKET in node.meta:  # already a bucket
             continue
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         if len(waits) != 1 or len(node.users) != 1:
@@ -50,9 +51,31 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
     return out
 
 
+def _by_dtype(members: list[_Member]) -> list[list[_Member]]:
+    """The members split by dtype (a flat bucket holds one dtype; mixed precision gathers some
+    parameters in bf16 next to others in fp32) and by micro-batch (MICRO_BATCH: a bucket never
+    waits for a later micro-batch's gradients), each list in graph order."""
+    groups: dict[tuple, list[_Member]] = {}
+    for m in members:
+        key = (m.source.meta["val"].dtype, m.issue.meta.get(meta.MICRO_BATCH))
+        groups.setdefault(key, []).append(m)
+    return list(groups.values())
+
+
+def _kind(m: _Member) -> tuple:
+    """Members merge only with others on the same process group (the same mesh dim) and the
+    same divisor."""
+    return m.issue.args[-1], m.scale.args[1] if m.scale is not None else 1
+
+
 def _buckets(members: list[_Member], cap: int, first_cap: int, depends_on) -> list[list[_Member]]:
-    """Consecutive members (graph order) up to ``cap`` bytes (``first_cap`` for the first bucket);
-    a member whose input depends on an earlier member's result starts a new bucket."""
+    """Per process group: consecutive members (graph order) up to ``cap`` bytes (``first_cap``
+    for that group's first bucket); a member whose input depends on an earlier member's result
+    starts a new bucket."""
+    kinds = list(dict.fromkeys(_kind(m) for m in members))
+    if len(kinds) > 1:
+        return [b for k in kinds for b in _buckets([m for m in members if _kind(m) == k], cap,
+                                                     first_cap, depends_on)]
     buckets: list[list[_Member]] = []
     current: list[_Member] = []
     size = 0
@@ -109,30 +132,27 @@ def bucket_collectives(
     index), and per member a slice + view of the result replacing the member's wait; the
     per-member collectives are erased. Buckets follow graph order (gradient production order),
     the first one small so communication starts early, and never merge collectives that depend
-    on each other.
+    on each other. A bucket holds one dtype.
     """
     graph = gm.graph
     cap, first_cap = int(bucket_cap_mb * MB), int(first_bucket_cap_mb * MB)
     own_cap = int(own_collective_mb * MB) if own_collective_mb else None
     index = 0
-    for target, merge in (
-        (c10d.all_reduce.default, _merge_all_reduce),
+    for target, merge in (  # reduce-scatters first: hybrid sharding all-reduces their shards
         (c10d.reduce_scatter_tensor.default, _merge_reduce_scatter),
+        (c10d.all_reduce.default, _merge_all_reduce),
     ):
-        members = _members(graph, target, own_cap)
-        if not members:
-            continue
-        for bucket in _buckets(members, cap, first_cap, _dependency_check(graph, members)):
-            merge(graph, bucket, index)
-            index += 1
+        for members in _by_dtype(_members(graph, target, own_cap)):
+            for bucket in _buckets(members, cap, first_cap, _dependency_check(graph, members)):
+                merge(graph, bucket, index)
+                index += 1
     for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
-        members = [m for m in _members(graph, c10d.all_gather_into_tensor.default, own_cap)
+        gathers = [m for m in _members(graph, c10d.all_gather_into_tensor.default, own_cap)
                    if m.issue.meta.get(meta.REGION) == region]
-        if not members:
-            continue
-        for bucket in _buckets(members, cap, cap, _dependency_check(graph, members)):
-            _merge_all_gather(graph, bucket, index)
-            index += 1
+        for members in _by_dtype(gathers):
+            for bucket in _buckets(members, cap, cap, _dependency_check(graph, members)):
+                _merge_all_gather(graph, bucket, index)
+                index += 1
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -199,11 +219,13 @@ def _merge_all_reduce(graph: fx.Graph, bucket: list[_Member], index: int) -> Non
 def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
     last = bucket[-1].issue
     _, _, world, group = last.args
+    divisor = bucket[0].scale.args[1] if bucket[0].scale is not None else 1
     with graph.inserting_before(last.next):
         flat = _flatten_cat(graph, bucket, lambda m: [world, -1], 1, last)
         flat = insert_call(graph, aten.view.default, (flat, [-1]),
                            val=flat.meta["val"].reshape(-1), region=flat.meta.get(meta.REGION))
-        flat = insert_call(graph, aten.div.Tensor, (flat, world), like=flat)
+        if divisor != 1:
+            flat = insert_call(graph, aten.div.Tensor, (flat, divisor), like=flat)
         total = _numel(flat) // world
         local_val = flat.meta["val"][:total]
         done = insert_collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group),
@@ -226,11 +248,51 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) ->
             replaced.append((m, shaped))
     for m, new in replaced:  # after inserting: the members anchor the insertion point
         _replace_member(graph, m, new)
+    _merge_chained_all_reduces(graph, done, [new for _, new in replaced], index)
+
+
+def _chained_all_reduce(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(issue, wait) of the per-parameter all_reduce that is ``node``'s only user, if any."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].target is not c10d.all_reduce.default or len(users[0].users) != 1:
+        return None
+    wait = next(iter(users[0].users))
+    return (users[0], wait) if wait.target is c10d.wait_tensor.default else None
+
+
+def _merge_chained_all_reduces(graph: fx.Graph, flat: fx.Node, pieces: list[fx.Node],
+                               index: int) -> None:
+    """When every piece of a reduced bucket ``flat`` is next all-reduced over another mesh dim
+    (hybrid sharding: the gradient shards, over the replicate dim), all-reduce ``flat`` itself
+    once instead: the bucket on the next dim is the same bucket, with no copy into a new one."""
+    chained = [_chained_all_reduce(p) for p in pieces]
+    if not chained or any(c is None for c in chained) or \
+            len({issue.args[1:] for issue, _ in chained}) != 1:
+        return
+    first_issue = chained[0][0]
+    with graph.inserting_before(flat.next):
+        done = insert_collective(graph, c10d.all_reduce.default, (flat, *first_issue.args[1:]),
+                                 val=flat.meta["val"], region=flat.meta.get(meta.REGION),
+                                 kind="all_reduce",
+                                 params=[p for issue, _ in chained for p in node_params(issue)])
+        done.args[0].meta[meta.BUCKET] = done.meta[meta.BUCKET] = index
+    for piece, (issue, wait) in zip(pieces, chained):
+        piece.args[0].replace_input_with(flat, done)  # its slice reads the all-reduced bucket
+        for key, value in wait.meta.items():
+            if key not in ("val", meta.ROLE, meta.COLLECTIVE):
+                piece.meta[key] = value
+        wait.replace_all_uses_with(piece)
+        graph.erase_node(wait)
+        graph.erase_node(issue)
 
 
 def _merge_all_gather(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
     first = bucket[0].issue
     _, world, group = first.args
+    for m in bucket:  # a shard cast to the gather dtype (mixed precision) moves to the bucket
+        if m.source.op == "call_function" and all(
+                a.op == "placeholder" for a in m.source.all_input_nodes):
+            first.prepend(m.source)
     with graph.inserting_before(first):
         flat = _flatten_cat(graph, bucket, lambda m: [-1], 0, first)
         total = _numel(flat)

@@ -41,6 +41,35 @@ def insert_call(graph: fx.Graph, target, args, *, like=None, val=None, region=No
     return node
 
 
+def insert_cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, *, region=None) -> fx.Node:
+    """Insert ``node.to(dtype)`` (``aten._to_copy``) at the graph's current insert point."""
+    val = node.meta["val"]
+    cast = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+    cast.meta["val"] = val.new_empty(val.shape, dtype=dtype)
+    region = node.meta.get(meta.REGION) if region is None else region
+    if region is not None:
+        cast.meta[meta.REGION] = region
+    return cast
+
+
+def finish_reduction(graph: fx.Graph, reduced: fx.Node, users: list[fx.Node], *,
+                     divide_by: int | None = None, dtype: torch.dtype | None = None) -> fx.Node:
+    """The ops that follow a gradient's collective (the division by the world size when it comes
+    after the sum; the cast back from the reduce dtype), inserted just before the first of
+    ``users`` in graph order: later passes may move ``reduced`` (bucketing replaces a
+    collective's wait by a slice of the bucket's), never past its original users."""
+    if not divide_by and dtype is None:
+        return reduced
+    pending = set(users)
+    first = next((n for n in graph.nodes if n in pending), None)
+    with graph.inserting_before(first if first is not None else reduced.next):
+        if divide_by:
+            reduced = insert_call(graph, aten.div.Tensor, (reduced, divide_by), like=reduced)
+        if dtype is not None:
+            reduced = insert_cast(graph, reduced, dtype)
+    return reduced
+
+
 def insert_collective(graph: fx.Graph, target, args, *, val, region, kind, params):
     """Insert a functional collective and its ``wait_tensor``; return the wait node."""
     issue = insert_call(

@@ -1,5 +1,7 @@
-"""fully_shard (ZeRO-3 / FSDP-like) expansion: parameters, gradients and optimizer state live as
-dim-0 shards; parameters are all-gathered just in time, gradients reduce-scattered.
+"""The ``Shard(0)`` mesh dim of the expansion (passes/expand.py; fully_shard, ZeRO-3 / FSDP-like,
+and the shard dim of hybrid_shard): parameters, gradients and optimizer state live as dim-0
+shards; parameters are all-gathered just in time, gradients reduce-scattered (expand.py inserts
+those), and the optimizer's reductions over shards are completed.
 
 Layout: a parameter with ``n`` rows is padded to ``rows * world`` rows, ``rows = ceil(n / world)``;
 rank r holds rows ``[r * rows, (r + 1) * rows)``, so every collective is even. Padding rows are
@@ -9,17 +11,15 @@ not sharded (their gradients are all-reduced as in replicate).
 
 from __future__ import annotations
 
-from collections import deque
-
 import operator
+from collections import deque
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
-from .collectives import aten, c10d, insert_call, insert_collective
-from .replicate import broadcast_buffers_from_rank0
+from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
 
 _VIEW_OR_CAST = {
     aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -41,7 +41,7 @@ def shard_rows(n: int, world: int) -> int:
     return -(-n // world)
 
 
-def _shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
+def shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
     """A fake tensor of the padded local shard's shape."""
     shape = (shard_rows(val.shape[0], world),) + tuple(val.shape[1:])
     return val.new_empty(shape)
@@ -52,11 +52,14 @@ def _first(nodes, order):
 
 
 def _gather(graph, shard, full_val, world, group_name, before, region, fqn):
-    """all_gather + wait (+ narrow away the padding) before ``before``; return the full param."""
+    """all_gather + wait (+ narrow away the padding) before ``before``; return the full param.
+    A ``full_val`` of another dtype than the shard's gathers the shard cast to it."""
     n = full_val.shape[0]
     rows = shard_rows(n, world)
     padded_val = full_val.new_empty((rows * world,) + tuple(full_val.shape[1:]))
     with graph.inserting_before(before):
+        if full_val.dtype != shard.meta["val"].dtype:
+            shard = insert_cast(graph, shard, full_val.dtype, region=region)
         gathered = insert_collective(
             graph, c10d.all_gather_into_tensor.default, (shard, world, group_name),
             val=padded_val, region=region, kind="all_gather", params=[fqn],
@@ -66,6 +69,17 @@ def _gather(graph, shard, full_val, world, group_name, before, region, fqn):
                                    region=region)
     gathered.meta[meta.PARAM_FQN] = fqn
     return gathered
+
+
+def _sole_cast(users: list[fx.Node]) -> fx.Node | None:
+    """One of ``users`` if every one is the same plain cast (``_to_copy(p, dtype=d)``, as mixed
+    precision records), else None."""
+    keys = {(u.target, len(u.args), tuple(sorted(u.kwargs.items()))) for u in users}
+    if len(keys) != 1:
+        return None
+    target, nargs, kwargs = keys.pop()
+    return users[0] if target is aten._to_copy.default and nargs == 1 and (
+        [k for k, _ in kwargs] == ["dtype"]) else None
 
 
 def _forward_chain(full: fx.Node) -> list[fx.Node]:
@@ -85,23 +99,43 @@ def _forward_chain(full: fx.Node) -> list[fx.Node]:
 
 def expand_fully_shard(
     gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
-    broadcast_buffers: bool = True,
+    broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
+    divide_after_sum: bool = False, sync_grads: bool = True,
+    accumulate_cap_bytes: int | None = None,
 ) -> fx.GraphModule:
-    """Turn a traced (unsharded) step into the fully_shard step.
+    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
 
-    Reads: ROLE (PARAM / OPT_STATE / BUFFER placeholders, GRAD nodes), PARAM_FQN, REGION,
-    node.meta["val"]. Writes: PARAM and same-shaped OPT_STATE placeholders become padded dim-0
-    shards (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
+    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
+    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
+    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
+    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
+    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
+    Mixed precision, the division's order, accumulation: see ``expand_data_parallel``.
+    """
+    from .expand import MeshDim, expand_data_parallel
+
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
+                                reshard_after_forward=reshard_after_forward,
+                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+                                divide_after_sum=divide_after_sum, sync_grads=sync_grads,
+                                accumulate_cap_bytes=accumulate_cap_bytes)
+
+
+def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
+                     reshard_after_forward: bool = True) -> dict[str, tuple[fx.Node, torch.Tensor]]:
+    """Make the parameters dim-0 shards over ``group_name``; return the sharded ones
+    {fqn: (placeholder, full val)}.
+
+    Reads: ROLE (PARAM / OPT_STATE placeholders), PARAM_FQN, REGION, node.meta["val"]. Writes:
+    PARAM (other than 0-d) and same-shaped OPT_STATE placeholders become padded dim-0 shards
+    (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
     forward use, and with ``reshard_after_forward`` a second gather (and re-derived views) before
-    its first backward use; each gradient padded, divided by the world size and
-    ``reduce_scatter``-ed, its optimizer uses reading the shard (the wait, marked SYNCED_GRAD);
-    reductions over shards inside the optimizer region (e.g. a global grad norm) get the
-    all_reduce that makes them whole. Buffers are broadcast from rank 0 as in replicate.
+    its first backward use. A parameter whose every use outside the optimizer is the same cast
+    (mixed precision's ``param_dtype``) is gathered in the cast dtype: the shard is cast before
+    each gather, as FSDP2 does, and the gathered tensor replaces the casts.
     """
     graph = gm.graph
     world = world_size
-    if broadcast_buffers:
-        broadcast_buffers_from_rank0(graph, group_name, world)
     order = {n: i for i, n in enumerate(graph.nodes)}
     params = {}
     for node in list(graph.nodes):
@@ -110,7 +144,6 @@ def expand_fully_shard(
         if role == meta.Role.PARAM and val.dim() > 0:
             params[node.meta[meta.PARAM_FQN]] = (node, val)
     param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in params.items()}
-
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
@@ -121,7 +154,7 @@ def expand_fully_shard(
             tuple(val.shape) == param_shapes[fqn]
         ):
             node.meta[LOGICAL_SHAPE] = tuple(val.shape)
-            node.meta["val"] = _shard_val(val, world)
+            node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
 
     for fqn, (param, full_val) in params.items():
@@ -131,10 +164,19 @@ def expand_fully_shard(
             continue
         forward = [u for u in compute if u.meta.get(meta.REGION) == meta.Region.FORWARD]
         first = _first(forward or compute, order)
+        cast = _sole_cast(compute)
+        if cast is not None:
+            full_val = cast.meta["val"]
         full = _gather(graph, param, full_val, world, group_name, first,
                        first.meta.get(meta.REGION), fqn)
         for u in compute:
-            u.replace_input_with(param, full)
+            if cast is not None:
+                u.replace_all_uses_with(full)
+                graph.erase_node(u)
+            else:
+                u.replace_input_with(param, full)
+        if cast is not None:
+            forward = [u for u in full.users if u.meta.get(meta.REGION) == meta.Region.FORWARD]
         if not reshard_after_forward or not forward:
             continue
         derived = [full] + _forward_chain(full)
@@ -158,41 +200,88 @@ def expand_fully_shard(
                 if d in u.all_input_nodes:
                     u.replace_input_with(d, again[d])
 
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
-        fqn = grad.meta[meta.PARAM_FQN]
-        users = list(grad.users)
-        val = grad.meta["val"]
-        region = grad.meta.get(meta.REGION)
-        with graph.inserting_before(grad.next):
-            if fqn in params:
-                rows = shard_rows(val.shape[0], world)
-                pad = rows * world - val.shape[0]
-                x = grad
-                if pad:
-                    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
-                    x = insert_call(graph, aten.constant_pad_nd.default,
-                                    (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
-                                    val=padded_val, region=region)
-                x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
-                reduced = insert_collective(
-                    graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
-                    val=_shard_val(val, world), region=region, kind="reduce_scatter", params=[fqn],
-                )
-                reduced.meta[meta.PLACEMENT] = Shard(0)
-                reduced.meta[LOGICAL_SHAPE] = tuple(val.shape)
-            else:
-                x = insert_call(graph, aten.div.Tensor, (grad, world), like=grad)
-                reduced = insert_collective(
-                    graph, c10d.all_reduce.default, (x, "sum", group_name),
-                    val=val, region=region, kind="all_reduce", params=[fqn],
-                )
-        reduced.meta[meta.SYNCED_GRAD] = fqn
-        for u in users:
-            u.replace_input_with(grad, reduced)
+    return params
 
-    gm.recompile()
-    _reduce_optimizer_partials(gm, group_name, world)
-    return gm
+
+def padded_gradient(graph: fx.Graph, grad: fx.Node, world: int) -> fx.Node:
+    """``grad`` padded with zero rows to a multiple of ``world`` rows (at the insert point)."""
+    val = grad.meta["val"]
+    rows = shard_rows(val.shape[0], world)
+    pad = rows * world - val.shape[0]
+    if not pad:
+        return grad
+    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
+    return insert_call(graph, aten.constant_pad_nd.default,
+                       (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
+                       val=padded_val, region=grad.meta.get(meta.REGION))
+
+
+def micro_batch_parts(grad: fx.Node) -> list[fx.Node] | None:
+    """The per-micro-batch gradients autograd accumulated into ``grad`` (``add_(add_(detach(g1),
+    g2), g3)``, each link used once), first to last; None if ``grad`` is not such a chain."""
+    parts, node = [], grad
+    while node.target in (aten.add_.Tensor, aten.add.Tensor) and len(node.args) == 2 and (
+            not node.kwargs) and (node is grad or len(node.users) == 1):
+        node, part = node.args
+        parts.append(part)
+    # the first backward's gradient, detached when autograd stored it in ``.grad`` (a sum of
+    # two uses in one backward, a tied weight, has no detach: one micro-batch)
+    if not parts or not isinstance(node, fx.Node) or node.target is not aten.detach.default or (
+            len(node.users) != 1):
+        return None
+    return [node.args[0]] + parts[::-1]
+
+
+def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, divide_after_sum):
+    """Reduce-scatter each micro-batch's gradient right after it is computed and sum the
+    shards; the sum replaces ``grad`` (the unsharded ``add_`` chain is erased)."""
+    val = grad.meta["val"]
+    fqn = grad.meta[meta.PARAM_FQN]
+    region = grad.meta.get(meta.REGION)
+    rows = shard_rows(val.shape[0], world)
+    pad = rows * world - val.shape[0]
+    cast = reduce_dtype is not None and reduce_dtype != val.dtype
+    users = list(grad.users)
+    shards = []
+    for index, part in enumerate(parts):
+        with graph.inserting_before(part.next):
+            x = insert_cast(graph, part, reduce_dtype, region=region) if cast else part
+            if pad:
+                x = insert_call(graph, aten.constant_pad_nd.default,
+                                (x, [0, 0] * (val.dim() - 1) + [0, pad]),
+                                val=x.meta["val"].new_empty((rows * world,) + tuple(val.shape[1:])),
+                                region=region)
+            if not divide_after_sum:
+                x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
+            shard = insert_collective(
+                graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
+                val=shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
+                params=[fqn])
+        shard.args[0].meta[meta.MICRO_BATCH] = index
+        shards.append(shard)
+    chain = [grad]
+    while chain[-1].target in (aten.add_.Tensor, aten.add.Tensor) and chain[-1].args[0] not in parts:
+        chain.append(chain[-1].args[0])
+    pending = set(users)  # the sum goes before the first use: bucketing may move the shards
+    first_use = next((n for n in graph.nodes if n in pending), None)
+    with graph.inserting_before(first_use if first_use is not None else grad.next):
+        total = shards[0]
+        for shard in shards[1:]:
+            total = insert_call(graph, aten.add.Tensor, (total, shard), like=shard, region=region)
+    total = finish_reduction(graph, total, users, divide_by=world if divide_after_sum else None,
+                             dtype=val.dtype if cast else None)
+    total.meta[meta.PLACEMENT] = Shard(0)
+    total.meta[LOGICAL_SHAPE] = tuple(val.shape)
+    total.meta[meta.SYNCED_GRAD] = fqn
+    for u in users:
+        u.replace_input_with(grad, total)
+    for node in chain:  # the unsharded accumulation, now unused
+        if not node.users:
+            graph.erase_node(node)
+    first = parts[0]
+    for node in list(graph.nodes):
+        if node.target is aten.detach.default and node.args[0] is first and not node.users:
+            graph.erase_node(node)
 
 
 _NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar, aten.norm.Scalar,
@@ -205,7 +294,7 @@ def _values(val):
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
-def _reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
+def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -> None:
     """All-reduce the optimizer region's reductions over shards (a gradient norm for clipping, a
     sum) right where they are computed, so everything after them sees whole values.
 
@@ -260,10 +349,10 @@ def _to_shard_vals(node: fx.Node, logical: set[tuple], world: int) -> None:
     sizes read off the graph (the memory estimate) are the local ones."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and tuple(val.shape) in logical and val.dim() > 0:
-        node.meta["val"] = _shard_val(val, world)
+        node.meta["val"] = shard_val(val, world)
     elif isinstance(val, (list, tuple)):
         node.meta["val"] = type(val)(
-            _shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
+            shard_val(v, world) if isinstance(v, torch.Tensor) and tuple(v.shape) in logical
             and v.dim() > 0 else v for v in val)
 
 

@@ -51,8 +51,16 @@ COLLECTIVE = "spmd_collective"  # dict(kind=str, bytes=int, params=list[str]) on
 # all_reduce; in fully_shard of its reduce_scatter: the padded local shard). Expansion only.
 SYNCED_GRAD = "spmd_synced_grad"
 BUCKET = "spmd_bucket"  # int: bucket index of a collective node
+# int: on a gradient reduce-scatter of one micro-batch (fully_shard, per-micro-batch reduction);
+# bucketing merges only collectives of the same micro-batch
+MICRO_BATCH = "spmd_micro_batch"
 
 # GraphModule.meta keys (on the graph, not a node).
 # list[str]: the parameters whose averaged gradients passes/grad_outputs.py appended, in order,
 # to the end of the graph's outputs.
 KEPT_GRADS = "spmd_kept_grads"
+# dict[str, str]: per pass, a one-line note on a choice it made (shown in the summary)
+NOTES = "spmd_notes"
+# list[str]: the process group name of each mesh dim, outermost first (passes/expand.py), so a
+# collective's group names the mesh dim it runs on.
+MESH_DIMS = "spmd_mesh_dims"

@@ -1,9 +1,11 @@
-"""Replicate (DDP-like) expansion: average every parameter gradient over the ranks."""
+"""Replicate (DDP-like) layout: average every parameter gradient over the ranks; buffers
+broadcast from rank 0."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Replicate
 
 from . import meta
 from .collectives import aten, c10d, insert_call, insert_collective
@@ -11,35 +13,27 @@ from .dependencies import accesses
 
 
 def expand_replicate(
-    gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True
+    gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True,
+    reduce_dtype: torch.dtype | None = None, divide_after_sum: bool = False,
+    sync_grads: bool = True,
 ) -> fx.GraphModule:
-    """Insert the collectives that make a traced step DDP's data-parallel step.
+    """The replicate layout (``Replicate()`` on a 1-D mesh) of passes/expand.py's expansion.
 
-    Reads: ROLE (GRAD nodes, BUFFER placeholders), PARAM_FQN, REGION, node.meta["val"].
     Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
     (DDP divides before it sums); every later use of the gradient reads the averaged value
-    (the wait node, marked SYNCED_GRAD).
+    (the wait node, marked SYNCED_GRAD). With ``reduce_dtype`` (mixed precision) a gradient of
+    another dtype is cast to it before the division and back after the wait (the cast back is
+    then the SYNCED_GRAD node). With ``divide_after_sum`` the sum is divided instead (FSDP2's
+    order: ``ReduceOp.AVG``). ``sync_grads=False`` (a step that only accumulates gradients)
+    inserts no gradient collective.
     With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
     of the step (DDP's default; one collective, only the buffers the step writes). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
     """
-    graph = gm.graph
-    if broadcast_buffers:
-        broadcast_buffers_from_rank0(graph, group_name, world_size)
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
-        users = list(grad.users)
-        val = grad.meta["val"]
-        with graph.inserting_before(grad.next):  # inserting_before keeps insertion order
-            scaled = insert_call(graph, aten.div.Tensor, (grad, world_size), like=grad)
-            averaged = insert_collective(
-                graph, c10d.all_reduce.default, (scaled, "sum", group_name),
-                val=val, region=grad.meta.get(meta.REGION), kind="all_reduce",
-                params=[grad.meta[meta.PARAM_FQN]],
-            )
-        averaged.meta[meta.SYNCED_GRAD] = grad.meta[meta.PARAM_FQN]
-        for user in users:
-            user.replace_input_with(grad, averaged)
-    gm.recompile()
-    return gm
+    from .expand import MeshDim, expand_data_parallel
+
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Replicate())],
+                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+                                divide_after_sum=divide_after_sum, sync_grads=sync_grads)
 
 
 def broadcast_buffers_from_rank0(graph: fx.Graph, group_name: str, world_size: int) -> None:

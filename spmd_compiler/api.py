@@ -8,6 +8,7 @@ The seed spelling ``compile(parallel_mode=...)(train_step)`` is the same thing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -30,14 +31,16 @@ from spmd_compiler.passes.rank_check import place_rank_check
 from spmd_compiler.passes.recompute import recompute_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
-from spmd_compiler.passes.fully_shard import ShardingError, expand_fully_shard
+from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
+from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.grad_outputs import output_gradients
-from spmd_compiler.passes.replicate import expand_replicate
 
 from . import cache
 from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
-from .parallel_mode import DataParallel
+from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
+from .mixed_precision import check_policy, reduce_dtype_of
+from .accumulation import ACCUMULATE, APPLY
 from .eager import attach as attach_eager_use, refuse_bound
 from .consistency import (
     CACHED,
@@ -58,6 +61,7 @@ from .runtime import (
     communication_failures,
     default_mesh,
     lifted_hparams,
+    mesh_group,
     module_device,
     place_state,
     retain_host_memory,
@@ -87,7 +91,7 @@ class CompiledStep:
                  dump_dir: str | None = None,
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
                  check_ranks: bool = True, retain_host_memory: bool = True,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, mesh=None):
         if not isinstance(parallel_mode, DataParallel):
             raise SPMDError(
                 f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
@@ -103,6 +107,9 @@ class CompiledStep:
         self.check_ranks = check_ranks
         self.retain_host_memory = retain_host_memory
         self.cache_dir = cache_dir
+        if mesh is not None:
+            check_mesh(parallel_mode, mesh)
+        self.mesh = mesh  # None: the 1-D mesh over the default process group
         # Every program compiled so far, in compile order. Every rank compiles together, so
         # program k exists on every rank and communicates the same on all of them (the per-call
         # agreement relies on it).
@@ -115,6 +122,31 @@ class CompiledStep:
         self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
+        self._no_sync = False  # inside no_sync(): calls only accumulate gradients
+        self._accumulated: dict[str, torch.Tensor] = {}  # parameter -> this rank's gradient
+
+    # -- gradient accumulation across calls -----------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Calls of the step inside this block run its forward and backward only: gradients
+        accumulate on each rank (kept by the step, not in ``p.grad``), with no communication and
+        no optimizer update; the step's ``zero_grad`` does nothing. The next call outside the
+        block adds its own gradients to them, syncs once and updates (DDP's ``no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``). See spmd_compiler/accumulation.py."""
+        outer, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = outer
+
+    def _accumulation(self) -> str | None:
+        if self._no_sync:
+            return ACCUMULATE
+        return APPLY if self._accumulated else None
+
+    def _step_key(self, sa: StepArgs) -> tuple:
+        return step_key(sa) + (("gradient accumulation", self._accumulation()),)
 
     # -- calling ------------------------------------------------------------------------------
 
@@ -130,11 +162,11 @@ class CompiledStep:
             sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims)
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
-                group = default_mesh(_device_of(args, kwargs)).get_group()
+                group = mesh_group(self._mesh(_device_of(args, kwargs)))
                 agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
             raise
-        mesh = default_mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
-        key = step_key(sa)
+        mesh = self._mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
+        key = self._step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         hparams = lifted_hparams(sa)
         fits = [k for k, e in enumerate(self._programs)
@@ -143,7 +175,7 @@ class CompiledStep:
         if self.check_ranks:
             batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
                           if d is not None), 0)
-            group = mesh.get_group()
+            group = mesh_group(mesh)
             if choice is not None and self._programs[choice].checks_ranks_inside:
                 # Run it while the agreement travels; the graph awaits it before its first
                 # collective or state update, and stops there if the ranks chose otherwise.
@@ -152,7 +184,7 @@ class CompiledStep:
                                               running=choice)
                 try:
                     with torch.no_grad(), agreement_in_flight(pending):
-                        return self._programs[choice](sa, mesh, hparams)
+                        return self._programs[choice](sa, mesh, hparams, self._accumulated)
                 except Redispatch as r:
                     choice = r.choice
             else:
@@ -161,14 +193,25 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            return entry(sa, mesh, hparams)
+            return entry(sa, mesh, hparams, self._accumulated)
+
+    def _mesh(self, device: torch.device):
+        """The step's mesh: the one given, else the 1-D mesh over the default group."""
+        if self.mesh is None:
+            return default_mesh(device)
+        if self.mesh.get_coordinate() is None:
+            raise SPMDError(
+                f"rank {dist.get_rank()} is not in the mesh the step was compiled for "
+                f"({self.mesh}); call the compiled step only on the mesh's ranks")
+        return self.mesh
 
     # -- compiling ----------------------------------------------------------------------------
 
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
         """Build the graph (or load it from the disk cache), check that every rank has the same,
         then place the live state."""
-        group = mesh.get_group()
+        group = mesh_group(mesh)
+        check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._dims_to_trace_dynamic(sa, group)
             disk_key, stored = self._load_program(sa, dynamic, group)
@@ -180,7 +223,7 @@ class CompiledStep:
                 summary = stored.summary
             else:
                 gm, traced, guard_code, seconds, runnable = self._build(
-                    sa, group.group_name, mesh.size(), key, dynamic, why)
+                    sa, mesh_dims(mesh), key, dynamic, why)
                 graph, num_nodes = describe_graph(gm), len(gm.graph.nodes)
             description = describe_program(sa, graph, traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
@@ -194,10 +237,10 @@ class CompiledStep:
             retain_host_memory()
         start = time.perf_counter()
         # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
-        place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style == "fully_shard",
+        place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style in SHARDED_STYLES,
                     self.parallel_mode.param_init_fn, torch.device(mesh.device_type))
         attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
-        key = step_key(sa)
+        key = self._step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager",
                               summary=summary)
@@ -230,7 +273,7 @@ class CompiledStep:
     def _disk_cache(self) -> str | None:
         """The program cache directory, if the cache applies to this step (eager backend, no
         per-stage dumps, which need a real compile)."""
-        if self.backend != "eager" or self.dump_dir:
+        if self.backend != "eager" or self.dump_dir or self._accumulation():
             return None
         return cache_dir_from(self.cache_dir)
 
@@ -245,7 +288,8 @@ class CompiledStep:
                 fn=self.fn, sa=sa, dynamic_dims=dynamic, rank=dist.get_rank(group),
                 world_size=dist.get_world_size(group), group_name=group.group_name, options=dict(
                     mode=self.parallel_mode, backend=self.backend, check_ranks=self.check_ranks,
-                    gm_transformation=self.gm_transformation))
+                    gm_transformation=self.gm_transformation, mesh=None if self.mesh is None
+                    else (tuple(self.mesh.shape), self.mesh.mesh_dim_names)))
             stored = cache.load(cache_dir, disk_key)
         except Exception as e:  # noqa: BLE001 - the cache never stops a compile
             log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
@@ -342,24 +386,25 @@ class CompiledStep:
             return os.path.join(self.dump_dir, f"rank_{dist.get_rank()}", f"compile_{index}")
         return os.path.join(self.dump_dir, f"compile_{index}") if dist.get_rank() == 0 else None
 
-    def _build(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None,
+    def _build(self, sa: StepArgs, dims: list[tuple[str, int]], key: tuple | None,
                dynamic: dict[int, tuple[int, ...]] | None = None, why: list[str] = ()):
         """Trace, analyze, expand, optimize and lower the step; touches no live state.
+        ``dims``: (process group name, size) of each mesh dim, outermost first.
 
         Graph modules made meanwhile generate and compile their Python code only when it is
         read or run (torch.fx's lazy graph modules): each pass's ``recompile()`` only marks it.
         """
         with _use_lazy_graph_module(True):
-            return self._build_stages(sa, group_name, world_size, key, dynamic, why)
+            return self._build_stages(sa, dims, key, dynamic, why)
 
-    def _build_stages(self, sa: StepArgs, group_name: str, world_size: int, key: tuple | None,
+    def _build_stages(self, sa: StepArgs, dims: list[tuple[str, int]], key: tuple | None,
                       dynamic: dict[int, tuple[int, ...]] | None, why: list[str]):
         """Trace, analyze, expand, optimize and lower the step; touches no live state."""
         if self._last_key is not None and key is not None:
             _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
         if why:
             _info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
-        fully_shard = self.parallel_mode.parallel_style == "fully_shard"
+        fully_shard = self.parallel_mode.parallel_style in SHARDED_STYLES
         seconds: dict[str, float] = {}
         dump_index = [0]
         dump_dir = self._dump_dir_for_compile()
@@ -375,7 +420,9 @@ class CompiledStep:
         t = time.perf_counter()
         traced = trace_step(self.fn, (), {}, step_args=sa,
                             fuse_optimizer=self.parallel_mode.fuse_optimizer,
-                            dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic)
+                            dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic,
+                            mp_policy=self.parallel_mode.mp_policy,
+                            accumulation=self._accumulation())
         _log_specializations(traced, sa)
         stage("traced", traced.gm, t)
 
@@ -397,20 +444,19 @@ class CompiledStep:
             stage("recompute", traced.gm, t)
 
         t = time.perf_counter()
-        if fully_shard:
-            try:
-                gm = expand_fully_shard(
-                    traced.gm, group_name=group_name, world_size=world_size,
-                    reshard_after_forward=mode.reshard_after_forward,
-                    broadcast_buffers=mode.broadcast_buffers,
-                )
-            except ShardingError as e:
-                raise UnsupportedError(str(e)) from e
-        else:
-            gm = expand_replicate(
-                traced.gm, group_name=group_name, world_size=world_size,
+        # the parameters' layout on each mesh dim decides that dim's collectives
+        layout = [MeshDim(name, size, placement)
+                  for (name, size), placement in zip(dims, mode.placements(len(dims)))]
+        try:
+            gm = expand_data_parallel(
+                traced.gm, layout, reshard_after_forward=mode.reshard_after_forward,
                 broadcast_buffers=mode.broadcast_buffers,
-            )
+                reduce_dtype=reduce_dtype_of(mode.mp_policy),
+                divide_after_sum=mode.divide_gradients == "after",
+                sync_grads=self._accumulation() != ACCUMULATE,
+                accumulate_cap_bytes=int((mode.reduce_cap_mb or 0) * 2**20))
+        except ShardingError as e:
+            raise UnsupportedError(str(e)) from e
         if mode.keep_grads:
             gm = output_gradients(gm)
         if not exact:
@@ -448,25 +494,28 @@ def _log_specializations(traced: TracedStep, sa: StepArgs) -> None:
 
 
 def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = None,
-            world_size: int | None = None, dump_dir: str | None = None, **kwargs):
+            world_size: int | tuple[int, int] | None = None, dump_dir: str | None = None, **kwargs):
     """Compile ``train_step(*args, **kwargs)`` without running it or touching the model and
     optimizer; return the summary (``visualize.Summary``; ``.to_text()`` for the tables).
 
-    Under an initialized process group the world size is the group's; otherwise give
-    ``world_size`` (default 2) to see what the step would do at that size.
+    Under an initialized process group the world size is the group's (the step's mesh, if it
+    was given one); otherwise give ``world_size`` (default 2) to see what the step would do at
+    that size; for hybrid_shard a (replicate, shard) mesh shape (an int n: ``(n // 2, 2)``).
     """
     from .visualize import summarize, write_summary
 
     step = train_step if isinstance(train_step, CompiledStep) else CompiledStep(
         train_step, parallel_mode or DataParallel("replicate"), dump_dir=dump_dir)
     if dist.is_available() and dist.is_initialized():
-        group = default_mesh(torch.device("cpu")).get_group()
-        group_name, world = group.group_name, dist.get_world_size()
+        dims = mesh_dims(step._mesh(torch.device("cpu")))
+    elif step.parallel_mode.parallel_style == "hybrid_shard":
+        shape = world_size if isinstance(world_size, tuple) else (max(1, (world_size or 4) // 2), 2)
+        dims = [("explain_replicate", shape[0]), ("explain_shard", shape[1])]
     else:
-        group_name, world = "explain", world_size or 2
+        dims = [("explain", world_size or 2)]
     sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
                          step.parallel_mode.dynamic_dims)
-    gm, _, _, seconds, runnable = step._build(sa, group_name, world, None)
+    gm, _, _, seconds, runnable = step._build(sa, dims, None)
     summary = summarize(gm, compile_times=seconds,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:
@@ -538,7 +587,7 @@ def optimization_passes(mode: DataParallel, backend: str = "eager") -> list[tupl
             first_bucket_cap_mb=mode.first_bucket_cap_mb, own_collective_mb=mode.own_collective_mb)))
     if mode.split_optimizer:
         passes.append(("split_optimizer", split_optimizer_by_bucket))
-    if mode.parallel_style == "fully_shard":  # orders everything, overlap included
+    if mode.parallel_style in SHARDED_STYLES:  # orders everything, overlap included
         passes.append(("schedule", functools.partial(
             schedule_for_memory, prefetch_cap_mb=mode.prefetch_cap_mb,
             reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
@@ -642,11 +691,12 @@ def _why(old: tuple, new: tuple) -> str:
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
                  dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True,
-                 retain_host_memory: bool = True, cache_dir: str | None = None):
+                 retain_host_memory: bool = True, cache_dir: str | None = None, mesh=None):
     """Decorator: compile a single-device training step for data parallelism.
 
     Args:
-        parallel_mode: ``DataParallel("replicate")`` (default) or ``DataParallel("fully_shard")``.
+        parallel_mode: ``DataParallel("replicate")`` (default), ``DataParallel("fully_shard")``
+            or ``DataParallel("hybrid_shard")``.
         backend: how the compiled graph runs: ``"eager"`` runs the FX graph's Python;
             ``"inductor"`` compiles the whole step graph with Inductor on its first run (tens of
             seconds on CPU, per compiled graph).
@@ -665,13 +715,20 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             ignored with ``dump_dir``). Keyed by everything the program depends on and checked
             against the source files it was recorded from; see spmd_compiler/cache.py and
             docs/user_guide.md.
+        mesh: the ``DeviceMesh`` to train over. replicate and fully_shard take a 1-D mesh (a
+            sub-group, or one dim of a larger mesh: ``mesh["dp"]``); hybrid_shard a 2-D mesh,
+            ``(replicate, shard)`` (``mesh_dim_names`` required): parameters are sharded over the
+            inner dim and replicated over the outer. Only the mesh's ranks call the step.
+            Default: a 1-D mesh over the whole default process group.
     """
     mode = parallel_mode or DataParallel("replicate")
+    if mesh is not None:
+        check_mesh(mode, mesh)
 
     def decorate(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
                             gm_transformation=gm_transformation, check_ranks=check_ranks,
-                            retain_host_memory=retain_host_memory, cache_dir=cache_dir)
+                            retain_host_memory=retain_host_memory, cache_dir=cache_dir, mesh=mesh)
 
     return decorate
 

@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="max allowed |param - DDP param| (default 1e-5)")
     e = sub.add_parser("explain", help="compile the demo model's step without running it and "
                                          "print what the compiler did (no processes, no training)")
-    e.add_argument("--mode", default="fully_shard", choices=["replicate", "fully_shard"],
-                   help="parallel style (default fully_shard)")
+    e.add_argument("--mode", default="fully_shard",
+                   choices=["replicate", "fully_shard", "hybrid_shard"],
+                   help="parallel style (default fully_shard; hybrid_shard on a (world // 2, 2) mesh)")
     e.add_argument("--world-size", type=int, default=2, help="world size to compile for (default 2)")
     e.add_argument("--batch", type=int, default=32, help="local batch size (default 32)")
     e.add_argument("--dump-dir", default=None, help="also write every stage's graph and the summary here")

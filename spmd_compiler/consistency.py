@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from spmd_compiler.passes import meta
+from spmd_compiler.passes.expand import mesh_dim_of
 
 from .errors import SPMDError
 from .tracing import StepArgs
@@ -162,11 +163,12 @@ def describe_graph(gm: fx.GraphModule) -> dict[str, Any]:
     sizes, and a size-dependent branch or a size the trace specializes (a length whose
     shifted targets are one long) gives that rank another computation, as each DDP rank runs its
     own Python; what must not differ is the sequence of collectives, and it does not depend on
-    the sizes the program holds as symbols.
+    the sizes the program holds as symbols. Each collective is named with the mesh dim it runs
+    on (its group differs from rank to rank on a mesh of several dims; its dim must not).
     """
     collectives = [
         (str(n.target), repr(tuple(n.meta["val"].shape)) if hasattr(n.meta.get("val"), "shape") else "()",
-         n.meta.get(meta.BUCKET))
+         n.meta.get(meta.BUCKET), mesh_dim_of(gm, n))
         for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
     ]
     return {"collective sequence": collectives}

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .errors import StepSignatureError
-from .runtime import communication_failures, local_buffer
+from .runtime import communication_failures, is_sharded, local_buffer, shard_dim, shard_size
 
 log = logging.getLogger("spmd_compiler")
 
@@ -136,11 +136,11 @@ class EagerUse:
         tensors, self.bound = self.bound, None
         for s in self.slots:
             s.module._parameters[s.name] = self.params[s.index]
-        rank = self.mesh.get_local_rank()
+        rank = self.mesh.get_local_rank(shard_dim(self.mesh))
         with torch.no_grad():
             for p, t, version in zip(self.params, tensors, self._versions):
                 if _sharded(p) and t._version != version:
-                    start = rank * _rows(p, self.mesh.size())
+                    start = rank * _rows(p, shard_size(self.mesh))
                     p._local_tensor.copy_(t[start: start + p._local_tensor.shape[0]])
 
     def _plain_tensors(self) -> list[torch.Tensor]:
@@ -160,7 +160,7 @@ class EagerUse:
 
 
 def _sharded(p: DTensor) -> bool:
-    return p.placements[0].is_shard()
+    return is_sharded(p)
 
 
 def _rows(p: DTensor, world: int) -> int:
@@ -303,7 +303,7 @@ def _buckets(tensors: list[torch.Tensor], nbytes) -> list[list[int]]:
 
 def _gather(params: list[DTensor], mesh: DeviceMesh) -> list[torch.Tensor]:
     """The full tensors of Shard(0) parameters: their padded buffers gathered in flat buckets."""
-    world, group = mesh.size(), mesh.get_group()
+    world, group = shard_size(mesh), mesh.get_group(shard_dim(mesh))
     shards = [_padded_shard(p, world) for p in params]
     pending = []
     for bucket in _buckets(shards, lambda i: shards[i].numel() * shards[i].element_size()):
@@ -325,12 +325,10 @@ def _gather(params: list[DTensor], mesh: DeviceMesh) -> list[torch.Tensor]:
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], params: list[DTensor], mesh: DeviceMesh) -> list[DTensor]:
-    world, group = mesh.size(), mesh.get_group()
     out: list[DTensor | None] = [None] * len(grads)
     for bucket in _buckets(grads, lambda i: grads[i].numel() * grads[i].element_size()):
-        flat = torch.cat([grads[i].reshape(-1) for i in bucket]).div_(world)
-        _wait(dist.all_reduce(flat, group=group, async_op=True), group,
-              "the gradient all_reduce of an eager backward")
+        flat = torch.cat([grads[i].reshape(-1) for i in bucket]).div_(mesh.size())
+        _all_reduce_over(flat, range(mesh.ndim), mesh, "the gradient all_reduce of an eager backward")
         offset = 0
         for i in bucket:
             n = grads[i].numel()
@@ -340,18 +338,20 @@ def _all_reduce_mean(grads: list[torch.Tensor], params: list[DTensor], mesh: Dev
 
 
 def _reduce_scatter_mean(grads: list[torch.Tensor], params: list[DTensor], mesh: DeviceMesh) -> list[DTensor]:
-    world, group = mesh.size(), mesh.get_group()
-    rank = mesh.get_local_rank()
+    inner = shard_dim(mesh)
+    world, group = mesh.size(inner), mesh.get_group(inner)
+    rank = mesh.get_local_rank(inner)
     padded = []
     for g, p in zip(grads, params):
         pad = _rows(p, world) * world - g.shape[0]
         padded.append(torch.cat([g, g.new_zeros((pad,) + tuple(g.shape[1:]))]) if pad else g)
     out: list[DTensor | None] = [None] * len(grads)
     for bucket in _buckets(padded, lambda i: padded[i].numel() * padded[i].element_size()):
-        by_rank = torch.cat([padded[i].reshape(world, -1) for i in bucket], dim=1).div_(world)
+        by_rank = torch.cat([padded[i].reshape(world, -1) for i in bucket], dim=1).div_(mesh.size())
         shard = by_rank.new_empty(by_rank.shape[1])
         _wait(dist.reduce_scatter_single(shard, by_rank.reshape(-1), group=group, async_op=True),
               group, "the gradient reduce_scatter of an eager backward")
+        _all_reduce_over(shard, range(inner), mesh, "the gradient all_reduce of an eager backward")
         offset = 0
         for i in bucket:
             p = params[i]
@@ -362,6 +362,14 @@ def _reduce_scatter_mean(grads: list[torch.Tensor], params: list[DTensor], mesh:
             out[i] = _like(local[:valid], p)
             offset += n
     return out
+
+
+def _all_reduce_over(flat: torch.Tensor, dims, mesh: DeviceMesh, what: str) -> None:
+    """Sum ``flat`` in place over the mesh dims ``dims``, one after the other."""
+    for d in dims:
+        if mesh.size(d) > 1:
+            group = mesh.get_group(d)
+            _wait(dist.all_reduce(flat, group=group, async_op=True), group, what)
 
 
 def _like(local: torch.Tensor, p: DTensor) -> DTensor:

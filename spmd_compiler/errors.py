@@ -37,3 +37,8 @@ class CollectiveError(SPMDError):
 
 class InitializationError(SPMDError):
     """A model built on the meta device could not be materialized on the ranks."""
+
+
+class MixedPrecisionError(SPMDError):
+    """A mixed-precision policy that is not one, or that the process group's backend cannot
+    honour (a dtype it cannot gather or reduce)."""

@@ -5,20 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import SPMDError
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-_STYLES = ("replicate", "fully_shard")
+from .errors import SPMDError
+from .mixed_precision import check_policy
+
+_STYLES = ("replicate", "fully_shard", "hybrid_shard")
+SHARDED_STYLES = ("fully_shard", "hybrid_shard")  # parameters sharded on the mesh's inner dim
 
 
 @dataclass(frozen=True)
 class DataParallel:
-    """Data parallelism over every rank of the default process group.
+    """Data parallelism over every rank of the default process group (or of the mesh given to
+    ``spmd_compile(..., mesh=...)``).
 
     Args:
         parallel_style: ``"replicate"`` (DDP-like: every rank holds the full parameters and
-            optimizer state; gradients are all-reduced) or ``"fully_shard"`` (ZeRO-3/FSDP-like:
+            optimizer state; gradients are all-reduced), ``"fully_shard"`` (ZeRO-3/FSDP-like:
             parameters, gradients and optimizer state are dim-0 shards; parameters are all-gathered
-            just in time, gradients reduce-scattered).
+            just in time, gradients reduce-scattered) or ``"hybrid_shard"`` (HSDP, on a 2-D mesh
+            ``(replicate, shard)``: fully_shard within each row of the shard dim, the shards
+            replicated over the replicate dim; gradients are reduce-scattered over the shard dim,
+            then all-reduced over the replicate dim). ``fully_shard``'s options apply to it.
         input_batch_dim: the batch dim of every tensor in the step's non-module, non-optimizer
             arguments. An int applies to every tensor leaf; a pytree matching the batch (ints, or
             ``None`` for an input that is not batched) sets it per leaf.
@@ -41,7 +49,10 @@ class DataParallel:
         reduce_cap_mb: fully_shard only. At most this many MiB of full-size gradients whose
             reduce-scatter is issued but not yet waited on; the oldest is waited on (and its
             parameters updated) before a new one would pass the cap. ``None`` or ``0`` waits on
-            each right after issuing it.
+            each right after issuing it. Also the memory rule for gradients accumulated over
+            micro-batches inside the step: summed unsharded and reduce-scattered once while all
+            of them fit in this cap, else each micro-batch's reduce-scattered (the summary's
+            "passes" table says which).
         fuse_optimizer: record SGD, Adam and AdamW with their fused implementation (one kernel
             over the parameters, not several passes per parameter) whatever ``foreach``/``fused``
             the optimizer names. The update is the same up to float round-off.
@@ -75,6 +86,17 @@ class DataParallel:
             changed since the last compile is compiled as a symbolic size on the recompile, so
             a new length compiles once more and then never again. A dim that differs across
             ranks is always compiled as a symbolic size on every rank.
+        mp_policy: mixed precision, FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``:
+            the forward and backward compute with the parameters cast to ``param_dtype``
+            (fully_shard gathers them in it), gradients are reduced in ``reduce_dtype`` (default
+            ``param_dtype``), inputs and outputs of the model are cast as the policy says; the
+            parameters and optimizer state keep their dtype. ``reduce_dtype`` alone reduces
+            gradients in that dtype. See docs/training_features.md.
+        divide_gradients: ``"before"`` (DDP's order, default): each rank divides its gradient
+            by the world size and the ranks sum the quotients; ``"after"`` (FSDP2's order for
+            float32/bfloat16 reductions, ``ReduceOp.AVG``): the ranks sum their gradients and the
+            sum is divided. Same average up to round-off; "before" cannot overflow a float16
+            sum, "after" rounds once.
     """
 
     parallel_style: str = "replicate"
@@ -94,6 +116,8 @@ class DataParallel:
     activation_memory_budget: float | None = None
     dynamic_dims: Any = None
     automatic_dynamic: bool = True
+    mp_policy: Any = None
+    divide_gradients: str = "before"
 
     def __post_init__(self):
         budget = self.activation_memory_budget
@@ -101,11 +125,46 @@ class DataParallel:
             raise SPMDError(
                 f"DataParallel: activation_memory_budget must be a fraction between 0 and 1 "
                 f"(or None), got {budget!r}")
+        check_policy(self.mp_policy)
+        if self.divide_gradients not in ("before", "after"):
+            raise SPMDError(f"DataParallel: divide_gradients must be 'before' or 'after', got "
+                            f"{self.divide_gradients!r}")
         if self.parallel_style not in _STYLES:
             raise SPMDError(
                 f"DataParallel: unknown parallel_style {self.parallel_style!r}; "
                 f"use one of {', '.join(map(repr, _STYLES))}"
             )
+
+
+    def placements(self, mesh_ndim: int) -> tuple[Placement, ...]:
+        """The parameters' placement on each dim of a mesh with ``mesh_ndim`` dims."""
+        inner = Shard(0) if self.parallel_style in SHARDED_STYLES else Replicate()
+        return (Replicate(),) * (mesh_ndim - 1) + (inner,)
+
+
+def check_mesh(mode: DataParallel, mesh: Any) -> None:
+    """Raise an SPMDError unless ``mesh`` is a DeviceMesh of the shape ``mode`` needs."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise SPMDError(f"spmd_compile(mesh=...) takes a torch.distributed.device_mesh.DeviceMesh, "
+                        f"got {type(mesh).__name__}")
+    style = mode.parallel_style
+    want = 2 if style == "hybrid_shard" else 1
+    if mesh.ndim != want:
+        hint = ("a 2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (nodes, per_node), "
+                "mesh_dim_names=('replicate', 'shard'))" if want == 2 else
+                "a 1-D mesh; pass one dim of a larger mesh, e.g. mesh['dp']")
+        raise SPMDError(f"DataParallel({style!r}) needs {hint}; got a {mesh.ndim}-D mesh {mesh}")
+    if want == 2 and not mesh.mesh_dim_names:
+        raise SPMDError("DataParallel('hybrid_shard') needs a mesh with mesh_dim_names (e.g. "
+                        "('replicate', 'shard')): the step agrees across all its ranks over the "
+                        "mesh flattened by name")
+
+
+def mesh_dims(mesh: Any) -> list[tuple[str, int]]:
+    """(process group name, size) of each dim of ``mesh``, outermost first."""
+    return [(mesh.get_group(d).group_name, mesh.size(d)) for d in range(mesh.ndim)]
 
 
 ParallelMode = DataParallel

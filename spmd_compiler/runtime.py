@@ -1,7 +1,7 @@
 """Live state on the mesh, and the runnable compiled step.
 
-``place_state`` turns the module's parameters into DTensors on a 1-D DeviceMesh and keys the
-optimizer's state by them; ``CompiledGraph`` binds live tensors to a compiled graph's placeholders,
+``place_state`` turns the module's parameters into DTensors on the step's DeviceMesh and keys
+the optimizer's state by them; ``CompiledGraph`` binds live tensors to a compiled graph's placeholders,
 runs it and writes back what the step created.
 """
 
@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import sys
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,6 +37,50 @@ def default_mesh(device: torch.device) -> DeviceMesh:
     if kind not in _MESHES:
         _MESHES[kind] = init_device_mesh(kind, (dist.get_world_size(),))
     return _MESHES[kind]
+
+
+def shard_dim(mesh: DeviceMesh) -> int:
+    """The mesh dim that sharded parameters are split over: the innermost (the only one of a
+    1-D mesh; ``"shard"`` of a ``("replicate", "shard")`` mesh). The others replicate them."""
+    return mesh.ndim - 1
+
+
+def shard_size(mesh: DeviceMesh) -> int:
+    return mesh.size(shard_dim(mesh))
+
+
+def param_placements(mesh: DeviceMesh, sharded: bool) -> tuple:
+    """A parameter's placements on ``mesh``: ``Shard(0)`` on the shard dim when ``sharded``,
+    ``Replicate()`` on every other dim."""
+    inner = Shard(0) if sharded else Replicate()
+    return (Replicate(),) * (mesh.ndim - 1) + (inner,)
+
+
+def is_sharded(t: Any) -> bool:
+    """Is ``t`` a DTensor sharded on some mesh dim?"""
+    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+
+
+_FLAT_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, Any]" = weakref.WeakKeyDictionary()
+
+
+def mesh_group(mesh: DeviceMesh):
+    """One process group over every rank of ``mesh`` (the cross-rank agreement's): the mesh's
+    own for a 1-D mesh, its flattened dim for a larger one (made once per mesh)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh not in _FLAT_GROUPS:
+        _FLAT_GROUPS[mesh] = mesh._flatten().get_group()
+    return _FLAT_GROUPS[mesh]
+
+
+def broadcast_from_first(tensors: list[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Give every rank of ``mesh`` the values of its first rank (coordinate 0 on every dim):
+    one coalesced broadcast per mesh dim."""
+    tensors = [t for t in tensors if t.numel()]
+    for d in range(mesh.ndim):
+        if tensors and mesh.size(d) > 1:
+            dist._broadcast_coalesced(mesh.get_group(d), tensors, 250 * 2**20, 0)
 
 
 def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
@@ -89,8 +134,8 @@ def to_dtensor(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> tuple[DT
     compiled graph reads and updates in place."""
     if not layout.sharded:
         local = full.detach()
-        return DTensor.from_local(local, mesh, [Replicate()], run_check=False), local
-    rank = mesh.get_local_rank()
+        return DTensor.from_local(local, mesh, param_placements(mesh, False), run_check=False), local
+    rank = mesh.get_local_rank(shard_dim(mesh))
     buffer = full.new_zeros(layout.padded_shape())
     start = rank * layout.rows
     valid = layout.valid_rows(rank)
@@ -98,7 +143,7 @@ def to_dtensor(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> tuple[DT
         buffer[:valid].copy_(full.detach()[start:start + valid])
     local = buffer[:valid]
     dt = DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(layout.shape),
+        local, mesh, param_placements(mesh, True), run_check=False, shape=torch.Size(layout.shape),
         stride=full.stride() if full.is_contiguous() else None,
     )
     return dt, buffer
@@ -116,18 +161,18 @@ def ensure_padded(t: Any, mesh: DeviceMesh) -> Any:
     Optimizer state loaded from a checkpoint arrives as new DTensors without one; such a state
     is re-made (same values) on a padded buffer. Anything else is returned as is.
     """
-    if not isinstance(t, DTensor) or t.dim() == 0 or not t.placements[0].is_shard():
+    if not is_sharded(t) or t.dim() == 0:
         return t
-    layout = layout_for(t, True, mesh.size())
+    layout = layout_for(t, True, shard_size(mesh))
     buffer, local = local_buffer(t), t._local_tensor
     if tuple(buffer.shape) == layout.padded_shape() and (
         local.numel() == 0 or buffer.data_ptr() == local.data_ptr()
     ):
         return t
     buffer = local.new_zeros(layout.padded_shape())
-    valid = layout.valid_rows(mesh.get_local_rank())
+    valid = layout.valid_rows(mesh.get_local_rank(shard_dim(mesh)))
     buffer[:valid].copy_(local)
-    new = DTensor.from_local(buffer[:valid], mesh, [Shard(0)], run_check=False,
+    new = DTensor.from_local(buffer[:valid], mesh, param_placements(mesh, True), run_check=False,
                              shape=t.shape, stride=t.stride())
     return _attach(new, buffer)
 
@@ -138,21 +183,16 @@ def _attach(dt: DTensor, buffer: torch.Tensor) -> DTensor:
     return dt
 
 
-def _broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
-    tensors = [t for t in tensors if t.numel()]
-    if tensors and dist.get_world_size() > 1:
-        dist._broadcast_coalesced(dist.distributed_c10d._get_default_group(), tensors, 250 * 2**20, 0)
-
-
 def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], mesh: DeviceMesh,
                 fully_shard: bool, init_fn: Callable[[torch.nn.Module], None] | None = None,
                 device: torch.device | None = None) -> None:
-    """Make the module's parameters DTensors (``Replicate()`` or ``Shard(0)``) on ``mesh`` and key
-    each optimizer's state and param_groups by them. Rank 0's values win (as DDP's broadcast at
+    """Make the module's parameters DTensors on ``mesh`` (``param_placements``: ``Shard(0)`` on
+    the shard dim when ``fully_shard``, ``Replicate()`` elsewhere) and key each optimizer's state
+    and param_groups by them. The mesh's first rank's values win (as DDP's broadcast at
     construction). Idempotent: already-placed parameters are left alone. Parameters and buffers
     on the meta device are materialized on ``device`` first (``materialize_meta``).
     """
-    world = mesh.size()
+    world = shard_size(mesh)
     seen: dict[int, torch.nn.Parameter] = {}
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         if any(opt.state.get(p) for opt in optimizers for p in module.parameters() if p.is_meta):
@@ -176,7 +216,7 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
         if isinstance(v, torch.Tensor)
     ]
-    _broadcast_from_rank0([p.detach() for p in plain] + list(module.buffers()) + states)
+    broadcast_from_first([p.detach() for p in plain] + list(module.buffers()) + states, mesh)
 
     for p in plain:
         layout = layout_for(p, fully_shard, world)
@@ -259,8 +299,7 @@ def materialize_meta(module: torch.nn.Module, mesh: DeviceMesh, fully_shard: boo
     when a module has no ``reset_parameters`` and no ``init_fn`` is given, or an init leaves a
     tensor unwritten.
     """
-    group = mesh.get_group()
-    world = mesh.size()
+    world = shard_size(mesh)
     modules = list(_post_order(module))
     own: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> its meta params
     own_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}
@@ -281,7 +320,7 @@ def materialize_meta(module: torch.nn.Module, mesh: DeviceMesh, fully_shard: boo
     scratch_bytes = max((sum(_aligned(p) for _, p in own[id(sub)]) for sub in modules), default=0)
     scratch = torch.empty(scratch_bytes if fully_shard else 0, dtype=torch.uint8, device=device)
     try:
-        with torch.no_grad(), generators.from_rank0(group, mesh.device_type):
+        with torch.no_grad(), generators.from_rank0(mesh):
             for sub in modules:
                 if not own[id(sub)] and not own_buffers[id(sub)]:
                     continue
@@ -335,8 +374,8 @@ def materialize_meta(module: torch.nn.Module, mesh: DeviceMesh, fully_shard: boo
                 sub._buffers[name] = b
         raise
     if not fully_shard:
-        _broadcast_from_rank0([p._local_tensor for p in placed.values()])
-    _broadcast_from_rank0(list(made_buffers.values()))
+        broadcast_from_first([p._local_tensor for p in placed.values()], mesh)
+    broadcast_from_first(list(made_buffers.values()), mesh)
     return placed
 
 
@@ -352,14 +391,14 @@ class _Generators:
         self.modules = [torch] + ([torch.get_device_module(device)] if device.type != "cpu" else [])
 
     @contextlib.contextmanager
-    def from_rank0(self, group, device_type: str):
-        """Every rank draws from rank 0's generator states; each rank's own are restored after."""
+    def from_rank0(self, mesh: DeviceMesh):
+        """Every rank draws from the mesh's first rank's generator states; each rank's own are
+        restored after."""
         saved = [m.get_rng_state() for m in self.modules]
         try:
             for m, state in zip(self.modules, saved):
-                rank0 = state.to(device_type, copy=True)  # where the group's collectives run
-                if dist.get_world_size(group) > 1:
-                    dist.broadcast(rank0, group=group, group_src=0)
+                rank0 = state.to(mesh.device_type, copy=True)  # where the mesh's collectives run
+                broadcast_from_first([rank0], mesh)
                 m.set_rng_state(rank0.cpu())
             yield
         finally:
@@ -398,7 +437,7 @@ def place_state_tensor(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
     if not isinstance(v, torch.Tensor) or isinstance(v, DTensor):
         return v
     if isinstance(param, DTensor) and tuple(v.shape) == tuple(param.shape) and v.dim() > 0:
-        layout = layout_for(v, param.placements[0].is_shard(), mesh.size())
+        layout = layout_for(v, is_sharded(param), shard_size(mesh))
         dt, buffer = to_dtensor(v, layout, mesh)
         return _attach(dt, buffer)
     return v
@@ -408,17 +447,17 @@ def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh
     """Wrap a state tensor the compiled graph created (padded local shard or whole) like ``param``."""
     if not isinstance(param, DTensor) or buffer.dim() == 0:
         return buffer
-    if param.placements[0].is_shard():
-        layout = layout_for(param, True, mesh.size())
+    if is_sharded(param):
+        layout = layout_for(param, True, shard_size(mesh))
         if tuple(buffer.shape) != layout.padded_shape():
             return buffer
-        local = buffer[: layout.valid_rows(mesh.get_local_rank())]
-        dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+        local = buffer[: layout.valid_rows(mesh.get_local_rank(shard_dim(mesh)))]
+        dt = DTensor.from_local(local, mesh, param.placements, run_check=False,
                                 shape=param.shape, stride=param.stride())
         return _attach(dt, buffer)
     if tuple(buffer.shape) != tuple(param.shape):
         return buffer
-    return DTensor.from_local(buffer, mesh, [Replicate()], run_check=False)
+    return DTensor.from_local(buffer, mesh, param.placements, run_check=False)
 
 
 def grad_like(g: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -426,8 +465,9 @@ def grad_like(g: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.T
     with the parameter's placement, shape and stride."""
     if not isinstance(param, DTensor):
         return g
-    if param.placements[0].is_shard():
-        g = g[: layout_for(param, True, mesh.size()).valid_rows(mesh.get_local_rank())]
+    if is_sharded(param):
+        g = g[: layout_for(param, True, shard_size(mesh)).valid_rows(
+            mesh.get_local_rank(shard_dim(mesh)))]
     return DTensor(g, param._spec, requires_grad=False)
 
 
@@ -470,8 +510,11 @@ class CompiledGraph:
         # what ShapeEnv.evaluate_guards_expression does, with the expression compiled once
         return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(inputs)}}))
 
-    def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float]) -> Any:
-        """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``."""
+    def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
+                 accumulated: dict[str, torch.Tensor] | None = None) -> Any:
+        """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``.
+        ``accumulated`` holds the gradients of a graph that takes (``grads_in``) or returns
+        (``grads_out``) them (spmd_compiler/accumulation.py); updated in place."""
         tr = self.traced
         module = sa.module
         params = _named_unique(module.named_parameters(remove_duplicate=False))
@@ -489,6 +532,10 @@ class CompiledGraph:
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
                  for v, as_tensor in zip(hparams, tr.hparam_tensors)]
         flat += [sa.leaves[i] for i in sa.input_indices]
+        if tr.grads_in:
+            flat += [accumulated[n] if n in accumulated else torch.zeros(
+                params[n].shape, dtype=params[n].dtype, device=local_buffer(params[n]).device)
+                for n in tr.grads_in]
         if self.kept_grads:
             for fqn in self.kept_grads:  # free the last step's before this one makes new ones
                 params[fqn].grad = None
@@ -508,6 +555,11 @@ class CompiledGraph:
             for (fqn, k), t in zip(tr.new_state_keys, outs[n_out:]):
                 p = params[fqn]
                 opt_of[id(p)].state[p][k] = state_from_local(t, p, mesh)
+        if tr.grads_out:
+            start = n_out + len(tr.new_state_keys)
+            accumulated.update(zip(tr.grads_out, outs[start:start + len(tr.grads_out)]))
+        elif tr.grads_in:  # synced and applied
+            accumulated.clear()
         if self.kept_grads:
             grads = outs[len(outs) - len(self.kept_grads):]
             for fqn, g in zip(self.kept_grads, grads):

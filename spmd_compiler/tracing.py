@@ -47,6 +47,8 @@ from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
 
 from . import fake_kernels  # noqa: F401  (Meta kernels the fused optimizers lack)
+from .recording_speed import faster_symbolic_recording
+from .size_oblivious_reshape import size_oblivious_reshape
 from .errors import (
     BatchDimError,
     MissingGradientError,
@@ -56,6 +58,8 @@ from .errors import (
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
+from .mixed_precision import cast_forward
+from .accumulation import ACCUMULATE, accumulating
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -127,6 +131,10 @@ class TracedStep:
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
     num_tensor_outputs: int = 0
+    # parameters whose accumulated gradient is a trailing input (after the batch leaves), and
+    # whose gradient is a trailing output (after the created states): spmd_compiler/accumulation.py
+    grads_in: list[str] = field(default_factory=list)
+    grads_out: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,13 +529,18 @@ def _global_meta(t: torch.Tensor):
 def trace_step(
     fn: Callable, args: tuple, kwargs: dict | None = None, input_batch_dim: Any = 0,
     *, step_args: StepArgs | None = None, fuse_optimizer: bool = False,
-    dynamic_dims: Mapping[int, Iterable[int]] | None = None,
+    dynamic_dims: Mapping[int, Iterable[int]] | None = None, mp_policy=None,
+    accumulation: str | None = None,
 ) -> TracedStep:
     """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
 
     With ``fuse_optimizer``, SGD/Adam/AdamW param groups are recorded with their fused
     implementation (one ``_fused_*_`` node per group and dtype) whatever ``foreach``/``fused``
-    they name: the same update, in one pass over the parameters.
+    they name: the same update, in one pass over the parameters. With ``mp_policy`` (FSDP2's
+    ``MixedPrecisionPolicy``) the module's forward is recorded with its parameters, inputs and
+    outputs cast as the policy says (spmd_compiler/mixed_precision.py). ``accumulation``
+    (``ACCUMULATE`` / ``APPLY``, spmd_compiler/accumulation.py) records a step whose gradients
+    start from trailing gradient inputs (and, accumulating, end as trailing outputs).
 
     The batch dim of every input is a symbolic size; so is every dim in ``dynamic_dims``
     (argument leaf index -> dims, e.g. a sequence length), each with its own symbol. A dynamic
@@ -543,7 +556,7 @@ def trace_step(
     dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
     entangled: list[tuple[int, int, str]] = []
     while True:
-        traced = _record_step(fn, sa, fuse_optimizer, dynamic)
+        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation)
         tied = _dims_tied_to_batch(traced, sa)
         if not tied:
             traced.entangled = entangled
@@ -615,7 +628,8 @@ class _InputShapeEnv(ShapeEnv):
 
 
 def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
-                 dynamic_dims: dict[int, tuple[int, ...]]) -> TracedStep:
+                 dynamic_dims: dict[int, tuple[int, ...]], mp_policy=None,
+                 accumulation: str | None = None) -> TracedStep:
     """One make_fx recording of the step (see ``trace_step``)."""
     module = sa.module
 
@@ -697,12 +711,15 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     out_info = {}
 
     counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
+    accumulated = [fqn_of[id(p)] for p in unique_params if p.requires_grad] if accumulation else []
+    fake_grads = [fake_static(p) for p in unique_params if p.requires_grad] if accumulation else []
     unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
                  enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
     reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
 
     def stateless_step(*flat):
         params, buffers, states, lifted, inputs = _split(flat, counts)
+        inputs, grads = inputs[:len(fake_inputs)], inputs[len(fake_inputs):]
         leaves = list(sa.leaves)
         for i, t in zip(sa.input_indices, inputs):
             leaves[i] = t
@@ -716,8 +733,13 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         with _reparametrize_module(module, by_name, strict=False), _tag_regions(), \
                 _refuse_reentrant_checkpoint(), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
-        ), reads, _compiling_forward(module):
+        ), reads, _compiling_forward(module), cast_forward(module, mp_policy), accumulating(
+            sa.optimizers, module, list(zip([fp for fp in params if fp.requires_grad], grads)),
+            accumulation,
+        ):
             out = fn(*call_args, **call_kwargs)
+            grads_out = ([fp.grad for fp in params if fp.requires_grad]
+                         if accumulation == ACCUMULATE else [])
             new_states = []
             for opt in sa.optimizers:
                 for fp, st in opt.state.items():
@@ -740,7 +762,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         }
         traced_out = [v for j, v in enumerate(out_leaves) if j not in out_info["constants"]]
         out_info["n"] = len(traced_out)
-        return traced_out + new_states
+        return traced_out + new_states + grads_out
 
     # Node stack traces keep frames of `forward` methods; anchor the step itself too, so nodes
     # recorded in the step's own lines (grad clipping, loss code) name them.
@@ -748,10 +770,11 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     try:
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
-        with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True), \
+                faster_symbolic_recording(), size_oblivious_reshape():
             gm = record(stateless_step, module, source_files)(
                 *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
-                *fake_inputs,
+                *fake_inputs, *fake_grads,
             )
     except SPMDError:
         raise
@@ -775,6 +798,10 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, len(hparams), sa,
         grad_nodes, dynamic_dims,
     )
+    trailing = [n for n in gm.graph.nodes if n.op == "placeholder" and meta.ROLE not in n.meta]
+    for n, fqn in zip(trailing, accumulated):  # unbatched inputs: this rank's own gradients
+        n.meta.update({meta.ROLE: meta.Role.INPUT, meta.INPUT_BATCH_DIM: None,
+                       meta.INPUT_DYNAMIC_DIMS: (), meta.INPUT_PATH: f"accumulated grad of {fqn}"})
 
     missing = [fqn_of[id(p)] for p in unique_params if p.requires_grad and fqn_of[id(p)] not in grad_nodes]
     if missing:
@@ -803,6 +830,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         out_spec=out_info["spec"],
         out_constants=out_info["constants"],
         num_tensor_outputs=out_info["n"],
+        grads_in=accumulated,
+        grads_out=accumulated if accumulation == ACCUMULATE else [],
     )
 
 

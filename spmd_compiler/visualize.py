@@ -27,8 +27,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_compiler.passes.memory_plan import lifetimes, workspace
+from spmd_compiler.passes.expand import mesh_dim_of
 from spmd_compiler.passes.meta import (
-    BUCKET, COLLECTIVE, INPUT_PATH, KEPT_GRADS, PARAM_FQN, PLACEMENT, REGION, ROLE, STATE_KEY, Role,
+    BUCKET, COLLECTIVE, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT, REGION, ROLE,
+    STATE_KEY, Role,
 )
 
 log = logging.getLogger("spmd_compiler")
@@ -831,8 +833,11 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     nodes = list(gm.graph.nodes)
     by_kind: dict[str, CollectiveStat] = {}
     by_bucket: dict[int, BucketStat] = {}
+    several_dims = len(gm.meta.get(MESH_DIMS) or ()) > 1
     for n in collective_nodes(gm):
         kind = collective_kind(n)
+        if several_dims:  # on a mesh of several dims: which dim it runs on
+            kind = f"{kind} (mesh dim {mesh_dim_of(gm, n)})"
         nbytes, symbolic = collective_bytes(n, sizer)
         stat = by_kind.setdefault(kind, CollectiveStat(kind, 0, 0, False))
         stat.count += 1
@@ -857,8 +862,11 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         if role == Role.PARAM:
             fqn = n.meta.get(PARAM_FQN, n.name)
             val = n.meta.get("val")
+            placement = placement_str(n.meta.get(PLACEMENT))
+            if several_dims:  # the outer dims of a data-parallel mesh replicate
+                placement = f"({', '.join(['R'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
             params.append(ParamStat(
-                fqn, placement_str(n.meta.get(PLACEMENT)), tuple(sizer.size(s) for s in val.shape),
+                fqn, placement, tuple(sizer.size(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
             persistent["params"] += nbytes
             persistent["grads"] += nbytes if fqn in kept_grads else 0
@@ -882,7 +890,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         peak_node=peak_node,
         workspace_bytes=workspace_bytes,
         compile_times=dict(compile_times or {}),
-        notes=dict(notes or {}),
+        notes={**gm.meta.get(NOTES, {}), **(notes or {})},
         issued_per_call=None if lowered is None else issued_per_call(lowered),
     )
 

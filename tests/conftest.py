@@ -1,6 +1,6 @@
 """Shared pytest fixtures: multi-rank worker pools (see tests/multirank.py).
 
-- ``pool2`` / ``pool3``: session-wide gloo pools of world size 2 and 3. A pool's processes start
+- ``pool2`` / ``pool3`` / ``pool4``: session-wide gloo pools of world size 2, 3 and 4. A pool's processes start
   when the first test asks for it and are reused by every later test (restarted only after a
   failure).
 - ``pool``: the pool of the world size given by indirect parametrization, the same objects as
@@ -25,7 +25,7 @@ import pytest
 
 from tests.multirank import WorkerPool, prestart_forkserver
 
-_POOL_FIXTURES = frozenset({"pool", "pool2", "pool3"})
+_POOL_FIXTURES = frozenset({"pool", "pool2", "pool3", "pool4"})
 
 _POOLS: dict[int, WorkerPool] = {}  # world size -> pool, for the whole session
 
@@ -74,6 +74,11 @@ def pool2(_multirank_pools) -> WorkerPool:
 @pytest.fixture(scope="session")
 def pool3(_multirank_pools) -> WorkerPool:
     return _get_pool(3)
+
+
+@pytest.fixture(scope="session")
+def pool4(_multirank_pools) -> WorkerPool:
+    return _get_pool(4)
 
 
 @pytest.fixture(scope="session")

@@ -98,11 +98,16 @@ MIXES = {
     "equal first": [[(6, 12), (6, 12)], [(6, 12), (6, 16)], [(6, 20), (6, 9)], [(6, 33), (6, 33)],
                     [(6, 6), (6, 40)], [(4, 21), (6, 22)], [(6, 5), (6, 5)]],
     "differ first": [[(6, 17), (6, 40)], [(6, 12), (6, 12)], [(3, 6), (6, 30)], [(6, 64), (5, 3)]],
+    # length 2 leaves one position after the shift (a size-1 dim in the loss's reshape), and a
+    # batch of one: the same program as every other length and batch size
+    "short": [[(6, 12), (6, 12)], [(6, 20), (6, 2)], [(6, 2), (6, 2)], [(1, 33), (6, 3)],
+              [(6, 2), (1, 2)]],
 }
 
 
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
-@pytest.mark.parametrize("optimizer, mix", [("sgd", "equal first"), ("adamw", "differ first")])
+@pytest.mark.parametrize("optimizer, mix", [("sgd", "equal first"), ("adamw", "differ first"),
+                                            ("sgd", "short")])
 def test_lengths_varying_across_steps_and_ranks_match_ddp(pool2, mode, optimizer, mix):
     """Any mix of lengths costs at most two compiles: the first program (its lengths static,
     unless the ranks' lengths already differ), then one with the length as a symbolic size that

@@ -1,5 +1,5 @@
 """examples/train.py as users launch it: torchrun on one node, two torchrun agents as two nodes on
-this host, a rank killed mid-training (SIGKILL) and the job restarted by torchrun from its last
+this host (fully_shard; and hybrid_shard with two processes per node against DDP), a rank killed mid-training (SIGKILL) and the job restarted by torchrun from its last
 checkpoint, and torch's DDP running the same script as the reference.
 
 Runs compare the final checkpoints (torch.distributed.checkpoint, read with
@@ -58,10 +58,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _final_state(ckpt_dir: Path, tmp: Path) -> dict:
+def _final_state(ckpt_dir: Path, tmp: Path, steps: int = 12) -> dict:
     """Everything in the last checkpoint, flattened to ``model.x.weight`` ... keys."""
     final = sorted(p for p in ckpt_dir.iterdir() if p.name.startswith("step_"))[-1]
-    assert final.name == "step_0000012", sorted(p.name for p in ckpt_dir.iterdir())
+    assert final.name == f"step_{steps:07d}", sorted(p.name for p in ckpt_dir.iterdir())
     dcp_to_torch_save(str(final), str(tmp / f"{ckpt_dir.name}.pt"))
     state = torch.load(tmp / f"{ckpt_dir.name}.pt", weights_only=False)
 
@@ -90,10 +90,10 @@ def _compare(a: dict, b: dict, rtol: float, atol: float) -> list[str]:
     return problems
 
 
-def _check_log(out: str) -> None:
+def _check_log(out: str, min_logs: int = 6) -> None:
     lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
     losses = [float(ln.split("loss ")[1].split()[0]) for ln in lines if "samples/s" in ln]
-    assert len(losses) >= 6 and losses[-1] < losses[0], out[-3000:]
+    assert len(losses) >= min_logs and losses[-1] < losses[0], out[-3000:]
     assert any("validation loss" in ln and "accuracy" in ln for ln in lines), out[-3000:]
 
 
@@ -147,3 +147,25 @@ def test_replicate_killed_and_resumed_matches_ddp(two_nodes, tmp_path):
     reference, _ = two_nodes
     problems = _compare(_final_state(reference, tmp_path), ddp, RTOL, ATOL)
     assert not problems, "fully_shard vs DDP:\n" + "\n".join(problems)
+
+
+def test_hybrid_shard_two_nodes_matches_ddp(tmp_path):
+    """hybrid_shard launched as two nodes of two processes (a 2 x 2 mesh from torchrun's
+    environment: replicate across the nodes, shard within each) against DDP on the same 4
+    ranks: the final checkpoints agree to float32 round-off."""
+    steps = ["--steps", "6", *STEPS[2:]]
+    steps[steps.index("--ckpt-every") + 1] = "6"
+    steps[steps.index("--eval-every") + 1] = "6"
+    port = _free_port()
+    agents = [_start(["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(i),
+                      "--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT, "--mode", "hybrid_shard",
+                      *steps, "--ckpt-dir", str(tmp_path / "hybrid")], _env()) for i in range(2)]
+    ddp = _start(["--standalone", "--nproc-per-node", "4", SCRIPT, "--mode", "ddp", *steps,
+                  "--ckpt-dir", str(tmp_path / "ddp")], _env())
+    out = [_finish(a) for a in agents][0]
+    assert "hybrid_shard on 4 cpu rank(s) (gloo)" in out, out[-3000:]
+    _check_log(out, min_logs=3)
+    _finish(ddp)
+    problems = _compare(_final_state(tmp_path / "hybrid", tmp_path, 6),
+                        _final_state(tmp_path / "ddp", tmp_path, 6), RTOL, ATOL)
+    assert not problems, "hybrid_shard vs DDP:\n" + "\n".join(problems)

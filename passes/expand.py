@@ -1,0 +1,173 @@
+"""Expansion driven by the parameters' placements on the mesh: each mesh dim's placement picks
+the collectives that run on that dim's process group.
+
+A data-parallel layout gives every parameter one placement per mesh dim, outermost first:
+
+- ``[Replicate()]`` (replicate, DDP): gradients ``all_reduce`` on the dim.
+- ``[Shard(0)]`` (fully_shard, FSDP/ZeRO-3): parameters and optimizer state are dim-0 shards over
+  the dim; ``all_gather`` before use, gradients ``reduce_scatter`` over it.
+- ``[Replicate(), Shard(0)]`` (hybrid_shard, HSDP): the shard dim does what fully_shard does;
+  the replicate dim then ``all_reduce``-s each gradient shard, and broadcasts buffers.
+
+Every rank's gradient is divided by the number of ranks of the whole mesh before the first
+reduction, so the reductions together average it over every rank (DDP's semantics). Reductions
+the optimizer makes over shards (a global gradient norm) are completed over the shard dim only:
+the replicate dims hold equal values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Placement, Shard
+
+from . import meta
+from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
+from .fully_shard import (
+    LOGICAL_SHAPE, ShardingError, micro_batch_parts, padded_gradient, reduce_optimizer_partials,
+    reduce_scatter_parts, shard_parameters, shard_val,
+)
+from .replicate import broadcast_buffers_from_rank0
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    """One mesh dim as the expansion sees it: its process group, its size, and how parameters
+    lie along it."""
+
+    group_name: str
+    size: int
+    placement: Placement
+
+
+def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
+                         reshard_after_forward: bool = True,
+                         broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
+                         divide_after_sum: bool = False, sync_grads: bool = True,
+                         accumulate_cap_bytes: int | None = None) -> fx.GraphModule:
+    """Insert the collectives of the parameter layout ``layout`` (one MeshDim per mesh dim,
+    outermost first).
+
+    Reads: ROLE (PARAM / OPT_STATE / BUFFER placeholders, GRAD nodes), PARAM_FQN, REGION,
+    node.meta["val"]. Writes, each collective on the group of the mesh dim that asks for it:
+    buffers broadcast from the first rank over every dim (``broadcast_buffers``); on a
+    ``Shard(0)`` dim the parameters and their states become shards gathered before use
+    (fully_shard.shard_parameters); each gradient divided by the mesh's rank count, then
+    reduced dim by dim from the innermost: ``reduce_scatter`` on the shard dim for a sharded
+    parameter, ``all_reduce`` on every other dim (the last wait marked SYNCED_GRAD, read by
+    every later use); the optimizer's reductions over shards completed on the shard dim;
+    ``gm.meta[MESH_DIMS]``: the group names by mesh dim.
+
+    With ``reduce_dtype`` (mixed precision) a gradient of another dtype is cast to it before the
+    division and back after the last reduction. With ``divide_after_sum`` the reduced sum is
+    divided instead of each rank's gradient (FSDP2's ``ReduceOp.AVG`` order).
+    ``sync_grads=False`` (a step that only accumulates gradients) inserts no gradient
+    collective. Under a 1-D shard layout, gradients accumulated over micro-batches in the step
+    (an ``add_`` chain per parameter) are summed unsharded and reduce-scattered once while their
+    full-size bytes stay within ``accumulate_cap_bytes`` (None: no limit); beyond it each
+    micro-batch's gradient is reduce-scattered and the shards are summed (FSDP2's default). The
+    choice is noted in ``gm.meta[NOTES]``.
+    """
+    wrong = [d.placement for d in layout if d.placement.is_shard() and d.placement != Shard(0)]
+    if wrong:
+        raise ShardingError(f"data parallelism shards parameters on dim 0 only, got {wrong[0]}")
+    shard = [d for d in layout if d.placement.is_shard()]
+    if len(shard) > 1:
+        raise ShardingError("parameters can be sharded over one mesh dim only")
+    graph = gm.graph
+    if broadcast_buffers:
+        for d in reversed(layout):  # each insertion goes first: the outermost dim runs first
+            broadcast_buffers_from_rank0(graph, d.group_name, d.size)
+    sharded = {}
+    if shard:
+        sharded = shard_parameters(gm, group_name=shard[0].group_name, world_size=shard[0].size,
+                                   reshard_after_forward=reshard_after_forward)
+    if sync_grads:
+        per_micro_batch = _accumulation_choice(gm, layout, sharded, accumulate_cap_bytes)
+        for grad, parts in per_micro_batch.items():
+            reduce_scatter_parts(graph, grad, parts, shard[0].size, shard[0].group_name,
+                                 reduce_dtype, divide_after_sum)
+        _reduce_gradients(graph, layout, set(sharded), reduce_dtype, divide_after_sum)
+    gm.recompile()
+    if shard:
+        reduce_optimizer_partials(gm, shard[0].group_name, shard[0].size)
+    gm.meta[meta.MESH_DIMS] = [d.group_name for d in layout]
+    return gm
+
+
+def _accumulation_choice(gm: fx.GraphModule, layout: Sequence[MeshDim], sharded: dict,
+                         cap_bytes: int | None) -> dict[fx.Node, list[fx.Node]]:
+    """The GRAD nodes whose micro-batch gradients are reduce-scattered one by one ({grad:
+    parts}); empty when they are summed unsharded first. Notes the choice in gm.meta[NOTES]."""
+    grads = [n for n in gm.graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD
+             and n.meta[meta.PARAM_FQN] in sharded]
+    accumulated = {g: p for g in grads if (p := micro_batch_parts(g))}
+    if not accumulated:
+        return {}
+    full_bytes = sum(g.meta["val"].numel() * g.meta["val"].element_size() for g in accumulated)
+    # each micro-batch on its own only on a 1-D shard layout (a hybrid layout would also need
+    # the replicate dims' reduction of every micro-batch's shard)
+    split = len(layout) == 1 and cap_bytes is not None and full_bytes > cap_bytes
+    gm.meta.setdefault(meta.NOTES, {})["fully_shard"] = (
+        f"{max(map(len, accumulated.values()))} micro-batches: "
+        + (f"each micro-batch's gradients reduce-scattered ({full_bytes} B of full-size "
+           f"gradients exceed the {cap_bytes} B cap)" if split else
+           f"gradients accumulated unsharded ({full_bytes} B), reduce-scattered once"))
+    return accumulated if split else {}
+
+
+def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[str],
+                      reduce_dtype: torch.dtype | None, divide_after_sum: bool) -> None:
+    """Average every GRAD node over the mesh: divide by the number of ranks (or, with
+    ``divide_after_sum``, the sum), then per mesh dim from the innermost, ``reduce_scatter``
+    (a parameter sharded on that dim: the padded gradient becomes this rank's shard) or
+    ``all_reduce``; in ``reduce_dtype`` when given (cast back to the gradient's dtype after)."""
+    ranks = math.prod(d.size for d in layout)
+    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
+        fqn = grad.meta[meta.PARAM_FQN]
+        users = list(grad.users)
+        val = grad.meta["val"]
+        region = grad.meta.get(meta.REGION)
+        cast = reduce_dtype is not None and reduce_dtype != val.dtype
+        with graph.inserting_before(grad.next):
+            x = insert_cast(graph, grad, reduce_dtype) if cast else grad
+            reduced_val = x.meta["val"]
+            if fqn in sharded:
+                world = next(d.size for d in layout if d.placement.is_shard())
+                x = padded_gradient(graph, x, world)
+            if not divide_after_sum:
+                x = insert_call(graph, aten.div.Tensor, (x, ranks), like=x, region=region)
+            for d in reversed(layout):
+                if fqn in sharded and d.placement.is_shard():
+                    x = insert_collective(
+                        graph, c10d.reduce_scatter_tensor.default, (x, "sum", d.size, d.group_name),
+                        val=shard_val(reduced_val, d.size), region=region, kind="reduce_scatter",
+                        params=[fqn])
+                    x.meta[meta.PLACEMENT] = Shard(0)
+                    x.meta[LOGICAL_SHAPE] = tuple(val.shape)
+                else:
+                    summed = insert_collective(
+                        graph, c10d.all_reduce.default, (x, "sum", d.group_name),
+                        val=x.meta["val"], region=region, kind="all_reduce", params=[fqn])
+                    for key in (meta.PLACEMENT, LOGICAL_SHAPE):  # a shard stays a shard
+                        if key in x.meta:
+                            summed.meta[key] = x.meta[key]
+                    x = summed
+        placed = {key: x.meta[key] for key in (meta.PLACEMENT, LOGICAL_SHAPE) if key in x.meta}
+        x = finish_reduction(graph, x, users, divide_by=ranks if divide_after_sum else None,
+                             dtype=val.dtype if cast else None)
+        x.meta.update(placed)
+        x.meta[meta.SYNCED_GRAD] = fqn
+        for u in users:
+            u.replace_input_with(grad, x)
+
+
+def mesh_dim_of(gm: fx.GraphModule, collective: fx.Node) -> int | None:
+    """The mesh dim a collective issue node runs on (None if unknown)."""
+    names = gm.meta.get(meta.MESH_DIMS) or []
+    group = collective.args[-1] if collective.args else None
+    return names.index(group) if group in names else None
