@@ -9,7 +9,6 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from . import meta
 from .collectives import aten, c10d, insert_call, insert_collective
-from .dependencies import accesses
 
 
 def expand_replicate(
@@ -27,7 +26,8 @@ def expand_replicate(
     order: ``ReduceOp.AVG``). ``sync_grads=False`` (a step that only accumulates gradients)
     inserts no gradient collective.
     With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
-    of the step (DDP's default; one collective, only the buffers the step writes). Collective nodes get ROLE=COLLECTIVE and COLLECTIVE meta.
+    of the step (DDP's default), in one collective. Collective nodes get ROLE=COLLECTIVE and
+    COLLECTIVE meta.
     """
     from .expand import MeshDim, expand_data_parallel
 
@@ -37,17 +37,17 @@ def expand_replicate(
 
 
 def broadcast_buffers_from_rank0(graph: fx.Graph, group_name: str, world_size: int) -> None:
-    """At the start of the step, copy rank 0's value into every BUFFER placeholder that some op
-    of the step writes (DDP's ``broadcast_buffers``), all of them in one collective.
+    """At the start of the step, copy rank 0's value into every BUFFER placeholder (DDP's
+    ``broadcast_buffers``), all of them in one collective.
 
-    A buffer no op writes (a constant table, a mask) keeps the value it was given when the state
-    was placed (broadcast from rank 0 then) and is left out. The others' bytes (any dtypes) are
-    packed into one flat uint8 tensor, broadcast once from rank 0 and unpacked into the buffers:
-    ``cat`` of byte views + ``broadcast`` + ``wait_tensor`` + one ``copy_`` per buffer.
+    Every buffer, also one the step only reads: a forward outside the step (``model(x)`` in
+    train mode) changes BatchNorm's running stats on each rank alone, and DDP's next forward
+    broadcasts them whatever it then does with them. Their bytes (any dtypes) are packed into
+    one flat uint8 tensor, broadcast once from rank 0 and unpacked into the buffers: ``cat`` of
+    byte views + ``broadcast`` + ``wait_tensor`` + one ``copy_`` per buffer.
     """
-    written = set().union(*(accesses(n)[2] for n in graph.nodes))
     buffers = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.BUFFER
-               and n in written and n.meta["val"].numel()]
+               and n.meta["val"].numel()]
     if not buffers or world_size == 1:
         return
     first_op = next(n for n in graph.nodes if n.op != "placeholder")

@@ -33,8 +33,8 @@ class DataParallel:
         reshard_after_forward: fully_shard only. ``True`` gathers parameters again for the
             backward so the forward copy is freed after its last forward use; ``False`` keeps one
             gathered copy from forward through backward.
-        broadcast_buffers: like DDP's option: buffers the step writes (e.g. BatchNorm running
-            stats) are broadcast from rank 0 at the start of every step, in one collective.
+        broadcast_buffers: like DDP's option: buffers (e.g. BatchNorm running stats) are
+            broadcast from rank 0 at the start of every step, in one collective.
         bucket_cap_mb: merge per-parameter collectives into flat buckets of at most this many
             MiB (DDP's default 25; the first gradient bucket is at most ``first_bucket_cap_mb``
             so communication starts early). ``None`` or ``0`` turns bucketing off.

@@ -61,17 +61,19 @@ def test_replicate_averages_every_gradient_before_the_optimizer_reads_it():
         assert [u.target for u in g.users] == [torch.ops.aten.div.Tensor], fqn
     gm.graph.lint()
 
-def test_replicate_broadcasts_written_buffers_from_rank0_first_in_one_collective():
+def test_replicate_broadcasts_every_buffer_from_rank0_first_in_one_collective():
     model = BatchNormMLP()
-    model.register_buffer("table", torch.arange(4.0))  # read-only: nothing to broadcast
+    # read-only in the step, but a forward outside it may have changed it on one rank alone
+    model.register_buffer("table", torch.arange(4.0))
     model.forward = lambda x, f=model.forward: f(x) + model.table.sum()
     tr = _traced(model)
     gm = expand_replicate(tr.gm, group_name="g", world_size=2)
     (cast,) = _calls(gm, c10d.broadcast.default)
     assert cast.args[1:] == (0, "g")
-    assert cast.meta[meta.COLLECTIVE]["params"] == [
-        "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
-    assert cast.meta[meta.COLLECTIVE]["bytes"] == 32 * 4 * 2 + 8  # every dtype in one uint8 tensor
+    assert sorted(cast.meta[meta.COLLECTIVE]["params"]) == [
+        "bn.num_batches_tracked", "bn.running_mean", "bn.running_var", "table"]
+    # every dtype in one uint8 tensor
+    assert cast.meta[meta.COLLECTIVE]["bytes"] == 32 * 4 * 2 + 8 + 4 * 4
     def from_cast(node):  # through the unpacking views and the wait to the broadcast
         while node is not cast and node.op == "call_function":
             node = node.args[0]
