@@ -28,6 +28,28 @@ def storage_base(value: fx.Node) -> fx.Node:
     return value
 
 
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s result is a view of its input (its schema's single return aliases an
+    argument without writing it)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def views_of(node: fx.Node) -> list[fx.Node]:
+    """The nodes that only view ``node``'s result, transitively, in order of discovery."""
+    out, todo, seen = [], [node], {node}
+    while todo:
+        for user in todo.pop(0).users:
+            if user not in seen and is_view(user) and all(a in seen for a in user.all_input_nodes):
+                seen.add(user)
+                out.append(user)
+                todo.append(user)
+    return out
+
+
 def accesses(node: fx.Node, j: int | None = None, length: int = 0):
     """(input nodes, storages read, storages written in place) of ``node``, or of element ``j``
     of a list op whose index-aligned lists have ``length`` elements."""

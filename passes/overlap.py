@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .collectives import c10d
+from .dependencies import views_of
 
 
 def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
@@ -21,7 +22,7 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
     for wait in [n for n in graph.nodes if n.target is c10d.wait_tensor.default]:
         order = {n: i for i, n in enumerate(graph.nodes)}
-        group = _with_views(wait)
+        group = {wait, *views_of(wait)}
         consumers = [u for n in group for u in n.users if u not in group]
         if not consumers:
             continue
@@ -32,24 +33,3 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
-
-
-def _with_views(wait: fx.Node) -> set[fx.Node]:
-    """``wait`` and the nodes that only view its result (transitively)."""
-    group, todo = {wait}, [wait]
-    while todo:
-        for user in todo.pop().users:
-            if user not in group and _is_view(user) and all(
-                a in group for a in user.all_input_nodes
-            ):
-                group.add(user)
-                todo.append(user)
-    return group
-
-
-def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from . import meta
 from .collectives import c10d, tensor_bytes
-from .dependencies import step_dependencies
+from .dependencies import step_dependencies, views_of
 from .memory_plan import alias_source
 
 MB = 2**20
@@ -117,7 +117,7 @@ def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 1
                 else:
                     state["unreduced"] -= sizes[issue]
                     in_flight.remove(issue)
-                for view in _views(n):  # a bucket's per-parameter slices cost nothing
+                for view in views_of(n):  # a bucket's per-parameter slices cost nothing
                     if view not in done and deps[view] <= done:
                         done.add(view)
                         out.append(view)
@@ -217,23 +217,3 @@ def _after(nodes: list[fx.Node], deps, sources: set[fx.Node]) -> set[fx.Node]:
         if n not in reached and any(d in reached for d in deps[n]):
             reached.add(n)
     return reached
-
-
-def _views(wait: fx.Node) -> list[fx.Node]:
-    """The nodes that only view ``wait``'s result, transitively, in graph order of discovery."""
-    out, todo, seen = [], [wait], {wait}
-    while todo:
-        for user in todo.pop(0).users:
-            if user not in seen and _is_view(user) and all(a in seen for a in user.all_input_nodes):
-                seen.add(user)
-                out.append(user)
-                todo.append(user)
-    return out
-
-
-def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
