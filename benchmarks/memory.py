@@ -22,7 +22,7 @@ from tabulate import tabulate
 
 from .models import MODELS
 from .modes import all_modes
-from .run import machine, run_model, source_revision
+from .run import machine, report_errors, run_model, source_revision
 
 MIB = 2**20
 DEFAULT_MODELS = ["state_heavy", "deep_gpt", "deep_gpt_ckpt"]
@@ -182,10 +182,7 @@ def main(argv=None) -> int:
     print(tabulate(memory_rows(results), headers=HEADERS, disable_numparse=True))
     if not args.no_docs:
         Path(args.md).write_text(markdown(results))
-    errors = [r for m in results["models"] for r in m["results"] if r["status"] == "error"]
-    for r in errors:
-        print(f"\n{r['mode']} failed:\n{r.get('traceback', r.get('reason'))}", file=sys.stderr)
-    return 1 if errors else 0
+    return report_errors(results)
 
 
 if __name__ == "__main__":

@@ -251,6 +251,11 @@ def main(argv=None) -> int:
     if not args.no_docs:
         note = write_docs(results, Path(args.md), Path(args.png))
         print(f"docs: {args.md}" + (f" ({note})" if note else f", chart: {args.png}"))
+    return report_errors(results)
+
+
+def report_errors(results: dict) -> int:
+    """Print every failed job's traceback to stderr; the exit status (1 if any failed)."""
     errors = [r for m in results["models"] for r in m["results"] if r["status"] == "error"]
     for r in errors:
         print(f"\n{r['mode']} failed:\n{r.get('traceback', r.get('reason'))}", file=sys.stderr)
