@@ -816,6 +816,44 @@ def _full(t: Any) -> Any:
     return full_tensor() if callable(full_tensor) else t
 
 
+class ParityChecker:
+    """Max |diff| per kind ("param", "state", "buffer", "loss") over a parity run, and every
+    tolerance violation as text (checked once at the end, so one run reports all of them).
+    Tensors compare by their local parts (DTensor.to_local()) with torch.isclose's rule."""
+
+    def __init__(self, rtol: float = 1e-5, atol: float = 1e-6):
+        self.rtol, self.atol = rtol, atol
+        self.max_err = {"param": 0.0, "state": 0.0, "buffer": 0.0, "loss": 0.0}
+        self.problems: list[str] = []
+
+    def close(self, kind: str, where: str, actual, expected) -> None:
+        import math
+
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+            if actual != expected:
+                self.problems.append(f"{where}: {actual!r} != {expected!r}")
+            return
+        actual = actual.to_local() if isinstance(actual, DTensor) else actual
+        expected = expected.to_local() if isinstance(expected, DTensor) else expected
+        if actual.shape != expected.shape or actual.dtype != expected.dtype:
+            self.problems.append(f"{where}: shape/dtype {tuple(actual.shape)} {actual.dtype} vs "
+                                 f"expected {tuple(expected.shape)} {expected.dtype}")
+            return
+        a, e = actual.detach().double(), expected.detach().double()
+        err = float((a - e).abs().max()) if a.numel() else 0.0
+        self.max_err[kind] = max(self.max_err[kind], math.inf if math.isnan(err) else err)
+        if not bool(torch.isclose(a, e, rtol=self.rtol, atol=self.atol).all()):
+            self.problems.append(f"{where}: max abs err {err:.3g} (rtol={self.rtol}, "
+                                 f"atol={self.atol})")
+
+    def check(self, cond: bool, msg: str) -> None:
+        if not cond:
+            self.problems.append(msg)
+
+
 def assert_close_all(actual: Any, expected: Any, rtol: float, atol: float, *,
                      what: str = "tensor", equal_nan: bool = False) -> None:
     """Compare tensors pairwise with ``|a - e| <= atol + rtol * |e|`` (torch.isclose's rule).

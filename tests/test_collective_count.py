@@ -12,9 +12,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from tests.models import SimpleMLP, train_step
+from tests.models import SimpleMLP, mse_step, train_step
 from tests.multirank import rank_data
 
 pytestmark = pytest.mark.multirank
@@ -36,17 +35,8 @@ class ConvBN(nn.Module):
         return self.head(self.features(x).mean([-2, -1]))
 
 
-def _conv_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    optim.step()
-    return loss
-
-
 CASES = {"simple_mlp": (SimpleMLP, train_step, (16, 50), (16, 8)),
-         "conv_bn": (ConvBN, _conv_step, (4, 3, 8, 8), (4, 8))}
+         "conv_bn": (ConvBN, mse_step, (4, 3, 8, 8), (4, 8))}
 
 
 def _gloo_collectives(step, batches) -> float:

@@ -21,9 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.multirank import rank_data
+from tests.multirank import ParityChecker, rank_data
 from tests.test_fully_shard import compare_with_reference
-from tests.test_replicate import _Checker
 
 VOCAB, WIDTH, MAX_LEN = 50, 16, 64
 
@@ -81,7 +80,7 @@ def varying_lengths_job(mode: str, optimizer: str, shapes: list[list[tuple[int, 
     ref = DDP(deepcopy(model))
     opt, ref_opt = _optimizer(optimizer, model), _optimizer(optimizer, ref)
     step = spmd_compile(DataParallel(mode, **options))(lm_step)
-    chk, counts = _Checker(), []
+    chk, counts = ParityChecker(), []
     for i, per_rank in enumerate(shapes):
         ids = _tokens(i, per_rank[dist.get_rank()])
         loss = step(model, opt, ids)
@@ -189,7 +188,7 @@ def data_dependent_job(mode: str) -> dict:
     ref = DDP(deepcopy(model))
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     step = spmd_compile(DataParallel(mode))(positive_targets_step)
-    chk = _Checker()
+    chk = ParityChecker()
     for i in range(3):
         batch = rank_data(900 + i, (12, 8), 12)
         try:

@@ -44,8 +44,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.models import MODELS, SimpleMLP, mse_step, train_step
-from tests.multirank import rank_data
-from tests.test_replicate import ATOL, RTOL, _Checker, _make_optimizer
+from tests.multirank import ParityChecker, rank_data
+from tests.test_replicate import _make_optimizer
 
 BATCH = 16  # local batch size of the full steps
 SHORT_BATCH = 11  # the last, short batch
@@ -264,7 +264,7 @@ def _unique_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters())  # named_parameters() already drops tied duplicates
 
 
-def check_layout(chk: _Checker, where: str, model, opt) -> None:
+def check_layout(chk: ParityChecker, where: str, model, opt) -> None:
     """Shard(0) DTensors on a 1-D mesh of every rank, torch.chunk rows per rank, states placed like
     their parameter, and the padded buffer the graph updates: the DTensor's local tensor is its
     leading rows, and the padding rows are still zero."""
@@ -308,7 +308,7 @@ def check_layout(chk: _Checker, where: str, model, opt) -> None:
                 one(f"optimizer state {name}.{k}", v, p)
 
 
-def compare_with_reference(chk: _Checker, where: str, model, opt, ref_model, ref_opt) -> None:
+def compare_with_reference(chk: ParityChecker, where: str, model, opt, ref_model, ref_opt) -> None:
     """Every parameter and optimizer state, gathered (``full_tensor()``), against the reference
     (DDP's plain tensors or FSDP2's DTensors, gathered too)."""
     ours = _unique_params(model)
@@ -390,7 +390,7 @@ def _run_case(case: dict) -> dict:
     compiled = spmd_api_compile(
         parallel_mode=_mode(case.get("raf", True), batch_dim, **case.get("mode", {})))(step_fn)
 
-    chk = _Checker()
+    chk = ParityChecker()
     counts, norms = [], []
     for i in range(FULL_STEPS + 1):
         b = BATCH if i < FULL_STEPS else SHORT_BATCH
@@ -586,7 +586,7 @@ def fsdp2_job(raf: bool) -> dict:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     compiled = spmd_compile(_mode(raf))(train_step)
 
-    chk = _Checker()
+    chk = ParityChecker()
     for i in range(FSDP2_STEPS):
         x, y = _batch(300 + i, BATCH, 0)
         loss = compiled(model, opt, (x.clone(), y.clone()))

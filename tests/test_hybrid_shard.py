@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.multirank import rank_data
+from tests.multirank import ParityChecker, rank_data
 from tests.test_fully_shard import compare_with_reference
-from tests.test_replicate import _Checker
 
 STEPS = 4
 BATCH = 6
@@ -83,7 +82,7 @@ def sub_mesh_job() -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     dp = mesh["dp"]
-    chk = _Checker()
+    chk = ParityChecker()
     for style in ("replicate", "fully_shard"):
         torch.manual_seed(dist.get_rank() // 2)  # each pair starts from its own model
         model = OddMLP()
@@ -163,7 +162,7 @@ def hybrid_job(case: str) -> dict:
         fully_shard(m, mesh=mesh)
     opt, hsdp_opt, ddp_opt = (make_opt(m.parameters()) for m in (model, hsdp, ddp))
     step = spmd_compile(DataParallel("hybrid_shard", **options), mesh=mesh)(step_fn)
-    chk = _Checker()
+    chk = ParityChecker()
     for i in range(STEPS):
         x, y = _batch(100 + i)
         loss = step(model, opt, (x.clone(), y.clone()))
@@ -287,7 +286,7 @@ def load_job(path: str) -> dict:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     for (n, _), q in zip(model.named_parameters(), ref.module.parameters()):
         ref_opt.state[q] = {k: full[f"{n}.{k}"].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
-    chk = _Checker()
+    chk = ParityChecker()
     step = spmd_compile(DataParallel("fully_shard"))(mean_step)
     rank = dist.get_rank()
     for i in range(2):

@@ -26,6 +26,7 @@ from spmd_compiler.passes.recompute import recompute_activations, saved_activati
 from spmd_compiler.passes.schedule import schedule_for_memory
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 from spmd_compiler.tracing import trace_step
+from tests.models import mse_step
 from tests.multirank import assert_close_all, rank_data
 
 MiB = 2**20
@@ -76,15 +77,6 @@ class Residual(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-def mse_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    optim.step()
-    return loss
 
 
 def lm_step(model, optim, batch):

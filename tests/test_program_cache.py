@@ -20,8 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.models import SimpleMLP, mse_step, train_step
-from tests.multirank import rank_data
-from tests.test_replicate import _Checker
+from tests.multirank import ParityChecker, rank_data
 
 
 class _Messages(logging.Handler):
@@ -167,7 +166,7 @@ def stale_source_job(cache_dir: str) -> dict:
         res = _train(train_step, model, os.path.join(cache_dir, "programs"))
         for i in range(3):
             train_step(ref, ref_opt, rank_data(300 + i, (8, 50), (8, 8)))
-        chk = _Checker()
+        chk = ParityChecker()
         for name, p in ref.module.named_parameters():
             chk.close("param", f"run {version}: {name}", res["params"][name], p.detach())
         out[activation] = dict(hits=res["hits"], problems=chk.problems,
@@ -202,7 +201,7 @@ def ranks_disagree_job(cache_dir: str) -> dict:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     for i in range(3):
         train_step(ref, ref_opt, rank_data(300 + i, (8, 50), (8, 8)))
-    chk = _Checker()
+    chk = ParityChecker()
     for name, p in ref.module.named_parameters():
         chk.close("param", name, res["params"][name], p.detach())
     return dict(hits=res["hits"], compiles=res["compiles"], problems=chk.problems)

@@ -19,7 +19,6 @@ optimizer-state errors up to ~1e-6 and loss errors up to ~8e-6 (on summed losses
 from __future__ import annotations
 
 import logging
-import math
 import traceback
 from copy import deepcopy
 
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 from spmd_compiler.consistency import exchange_objects
 from tests.models import MODELS, flexible_step, mse_step, train_step
-from tests.multirank import rank_data
+from tests.multirank import ParityChecker, rank_data
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -140,47 +139,7 @@ def _make_scheduler(opt: torch.optim.Optimizer, case: dict):
     return getattr(torch.optim.lr_scheduler, name)(opt, **kwargs)
 
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class _Checker:
-    """Accumulates max errors per kind and every tolerance violation (as text)."""
-
-    def __init__(self):
-        self.max_err = {"param": 0.0, "state": 0.0, "buffer": 0.0, "loss": 0.0}
-        self.problems: list[str] = []
-
-    def close(self, kind: str, where: str, actual, expected) -> None:
-        if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
-            if actual != expected:
-                self.problems.append(f"{where}: {actual!r} != {expected!r}")
-            return
-        actual = _local(actual)
-        if actual.shape != expected.shape or actual.dtype != expected.dtype:
-            self.problems.append(
-                f"{where}: shape/dtype {tuple(actual.shape)} {actual.dtype} vs expected "
-                f"{tuple(expected.shape)} {expected.dtype}"
-            )
-            return
-        a = actual.detach().to(torch.float64)
-        e = expected.detach().to(torch.float64)
-        err = (a - e).abs()
-        max_err = float(err.max()) if err.numel() else 0.0
-        if math.isnan(max_err):
-            max_err = math.inf
-        self.max_err[kind] = max(self.max_err[kind], max_err)
-        if not bool(torch.isclose(a, e, rtol=RTOL, atol=ATOL).all()):
-            self.problems.append(f"{where}: max abs err {max_err:.3g} (rtol={RTOL}, atol={ATOL})")
-
-    def check(self, cond: bool, msg: str) -> None:
-        if not cond:
-            self.problems.append(msg)
-
-
-def compare_with_ddp(chk: _Checker, step: int, model, opt, ddp_model, ddp_opt) -> None:
+def compare_with_ddp(chk: ParityChecker, step: int, model, opt, ddp_model, ddp_opt) -> None:
     """Parameters (Replicate DTensors on a 1-D mesh), optimizer states, lrs and buffers."""
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -229,7 +188,7 @@ def _run_case(case: dict) -> dict:
     compiled = spmd_api_compile(parallel_mode=DataParallel("replicate", **case.get("mode", {})))(
         step_fn)
 
-    chk = _Checker()
+    chk = ParityChecker(RTOL, ATOL)
     counts = []
     lrs = []
     for i in range(FULL_STEPS + 1):
@@ -359,7 +318,7 @@ def caching_job() -> dict:
     logger.setLevel(logging.INFO)
     try:
         compiled = spmd_compile(DataParallel("replicate"))(flexible_step)
-        chk = _Checker()
+        chk = ParityChecker(RTOL, ATOL)
         events = []
         step_no = [0]
 

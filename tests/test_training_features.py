@@ -21,54 +21,20 @@ reduce the same float32 values. The measured maxima are returned and recorded.
 
 from __future__ import annotations
 
-import math
+import contextlib
 from copy import deepcopy
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from tests.models import SimpleMLP, mse_step
-from tests.multirank import rank_data
+from tests.multirank import ParityChecker, rank_data
 from tests.test_fully_shard import compare_with_reference
 
 STEPS = 4
 BATCH = 16
 LR = 1e-3
-
-
-class _Checker:
-    """Max |diff| per kind, and every tolerance violation as text."""
-
-    def __init__(self, rtol: float, atol: float):
-        self.rtol, self.atol = rtol, atol
-        self.max_err = {"param": 0.0, "state": 0.0, "buffer": 0.0, "loss": 0.0}
-        self.problems: list[str] = []
-
-    def close(self, kind: str, where: str, actual, expected) -> None:
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
-            if actual != expected:
-                self.problems.append(f"{where}: {actual!r} != {expected!r}")
-            return
-        actual = actual.to_local() if isinstance(actual, DTensor) else actual
-        expected = expected.to_local() if isinstance(expected, DTensor) else expected
-        if actual.shape != expected.shape or actual.dtype != expected.dtype:
-            self.problems.append(f"{where}: {tuple(actual.shape)} {actual.dtype} vs "
-                                 f"{tuple(expected.shape)} {expected.dtype}")
-            return
-        a, e = actual.detach().double(), expected.detach().double()
-        err = float((a - e).abs().max()) if a.numel() else 0.0
-        self.max_err[kind] = max(self.max_err[kind], math.inf if math.isnan(err) else err)
-        if not bool(torch.isclose(a, e, rtol=self.rtol, atol=self.atol).all()):
-            self.problems.append(f"{where}: max abs err {err:.3g} (rtol={self.rtol}, "
-                                 f"atol={self.atol})")
-
-    def check(self, cond: bool, msg: str) -> None:
-        if not cond:
-            self.problems.append(msg)
 
 
 def _tolerance(reduce_dtype) -> tuple[float, float]:
@@ -106,7 +72,7 @@ def mixed_precision_job(style: str, reduce_dtype, output_dtype, divide: str) -> 
     compiled = spmd_compile(DataParallel(style, mp_policy=policy, divide_gradients=divide))(
         mse_step)
 
-    chk = _Checker(*_tolerance(reduce_dtype))
+    chk = ParityChecker(*_tolerance(reduce_dtype))
     for i in range(STEPS):
         x, y = rank_data(400 + i, (BATCH, 50), (BATCH, 8))
         loss = compiled(model, opt, (x.clone(), y.clone()))
@@ -258,21 +224,14 @@ def _reference_accumulate(model, optim, micro_batches, no_sync):
     return total
 
 
-def accumulation_job(style: str, mixed: bool = False, per_micro_batch: bool = False) -> dict:
-    """The compiled micro-batch step against DDP with ``no_sync()`` (replicate) or FSDP2 with
-    ``set_requires_gradient_sync(False)`` (fully_shard) for all but the last micro-batch. Also
-    returns the number of gradient collectives in the compiled graph. ``mixed``: both sides with
-    bf16 parameters and fp32 reduction (fully_shard only). ``per_micro_batch``: fully_shard with
-    ``reduce_cap_mb=0`` reduce-scatters every micro-batch, bucketed (one bucket per micro-batch
-    at this size); the reference is FSDP2 syncing every micro-batch (its default)."""
-    import contextlib
-
+def _model_and_reference(style: str, mixed: bool, sync_every_call: bool = False):
+    """SimpleMLP, its reference (FSDP2 for fully_shard, DDP for replicate; bf16 parameters and
+    fp32 reduction when ``mixed``), the policy, and ``no_sync(skip)``: the reference's way to
+    skip the gradient sync (FSDP2's ``set_requires_gradient_sync``, DDP's ``no_sync``), a no-op
+    when ``sync_every_call`` (FSDP2 syncing every micro-batch, its default)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from spmd_compiler import DataParallel, spmd_compile
-    from spmd_compiler.passes import meta
 
     ws = dist.get_world_size()
     torch.manual_seed(0)
@@ -287,12 +246,26 @@ def accumulation_job(style: str, mixed: bool = False, per_micro_batch: bool = Fa
 
         @contextlib.contextmanager
         def no_sync(skip):
-            ref.set_requires_gradient_sync(not skip or per_micro_batch)
+            ref.set_requires_gradient_sync(not skip or sync_every_call)
             yield
             ref.set_requires_gradient_sync(True)
     else:
         ref = DDP(ref)
         no_sync = lambda skip: ref.no_sync() if skip else contextlib.nullcontext()  # noqa: E731
+    return model, ref, policy, no_sync
+
+
+def accumulation_job(style: str, mixed: bool = False, per_micro_batch: bool = False) -> dict:
+    """The compiled micro-batch step against DDP with ``no_sync()`` (replicate) or FSDP2 with
+    ``set_requires_gradient_sync(False)`` (fully_shard) for all but the last micro-batch. Also
+    returns the number of gradient collectives in the compiled graph. ``mixed``: both sides with
+    bf16 parameters and fp32 reduction (fully_shard only). ``per_micro_batch``: fully_shard with
+    ``reduce_cap_mb=0`` reduce-scatters every micro-batch, bucketed (one bucket per micro-batch
+    at this size); the reference is FSDP2 syncing every micro-batch (its default)."""
+    from spmd_compiler import DataParallel, spmd_compile
+    from spmd_compiler.passes import meta
+
+    model, ref, policy, no_sync = _model_and_reference(style, mixed, sync_every_call=per_micro_batch)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     bucket_cap_mb = 25.0 if per_micro_batch else None  # buckets must not mix micro-batches
@@ -301,7 +274,7 @@ def accumulation_job(style: str, mixed: bool = False, per_micro_batch: bool = Fa
                                          reduce_cap_mb=0 if per_micro_batch else 16.0))(
         accumulate_step)
 
-    chk = _Checker(1e-5, 1e-6)
+    chk = ParityChecker(1e-5, 1e-6)
     for i in range(STEPS):
         mbs = [rank_data(500 + 10 * i + k, (BATCH, 50), (BATCH, 8))
                for k in range(MICRO_BATCHES)]
@@ -365,33 +338,9 @@ def no_sync_job(style: str, mixed: bool = False) -> dict:
     (``set_requires_gradient_sync(False)``) doing the same forward/backwards and one optimizer
     step; parameters must not move inside ``no_sync``. ``mixed``: bf16 parameters, fp32
     reduction on both sides (fully_shard)."""
-    import contextlib
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from spmd_compiler import DataParallel, spmd_compile
 
-    ws = dist.get_world_size()
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    ref = deepcopy(model)
-    policy = _policy(torch.bfloat16, torch.float32) if mixed else None
-    if style == "fully_shard":
-        if mixed:
-            fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)), mp_policy=policy)
-        else:
-            fully_shard(ref, mesh=init_device_mesh("cpu", (ws,)))
-
-        @contextlib.contextmanager
-        def no_sync(skip):
-            ref.set_requires_gradient_sync(not skip)
-            yield
-            ref.set_requires_gradient_sync(True)
-    else:
-        ref = DDP(ref)
-        no_sync = lambda skip: ref.no_sync() if skip else contextlib.nullcontext()  # noqa: E731
+    model, ref, policy, no_sync = _model_and_reference(style, mixed)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
     compiled = spmd_compile(DataParallel(style, mp_policy=policy,
@@ -400,7 +349,7 @@ def no_sync_job(style: str, mixed: bool = False) -> dict:
     def full(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-    chk = _Checker(1e-5, 1e-6)
+    chk = ParityChecker(1e-5, 1e-6)
     for i in range(STEPS):
         ref_opt.zero_grad()
         for k in range(CALLS_PER_UPDATE):
