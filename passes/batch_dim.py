@@ -54,7 +54,7 @@ from torch.distributed.tensor.placement_types import (
 )
 from torch.fx.operator_schemas import normalize_function
 
-from .meta import INPUT_BATCH_DIM, PLACEMENT, ROLE, Role
+from .meta import INPUT_BATCH_DIM, LOCAL_SHARD, PLACEMENT, ROLE, Role
 
 __all__ = ["BatchDimError", "annotate_placements"]
 
@@ -414,6 +414,8 @@ class _Analysis:
                 args = _arguments(node) or {}
                 order = args.get("ord", args.get("p"))
                 return _NormPartial(2 if order is None else order)
+        if LOCAL_SHARD in node.meta:  # an all-gather hook's op on this rank's shard, as FSDP2
+            return shards[0][1]  # runs it (reductions above are completed by the hook's own)
         _fail(node, f"{name} on parameter shards is not covered: on a shard it would compute "
                     "something else than on the whole parameter")
 

@@ -33,8 +33,8 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
     out = []
     for node in graph.nodes:
         if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params") \
-                or meta.BUCKET in node.meta:  # already a bucket
-            continue
+                or meta.BUCKET in node.meta or meta.GATHERED in node.meta:
+            continue  # a bucket already, or a gather of what all-gather extensions computed
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         if len(waits) != 1 or len(node.users) != 1:
             continue

@@ -137,13 +137,16 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
     graph = gm.graph
     world = world_size
     order = {n: i for i, n in enumerate(graph.nodes)}
-    params = {}
+    params, gathered = {}, {}
     for node in list(graph.nodes):
         role = node.meta.get(meta.ROLE)
         val = node.meta.get("val")
         if role == meta.Role.PARAM and val.dim() > 0:
-            params[node.meta[meta.PARAM_FQN]] = (node, val)
-    param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in params.items()}
+            # GATHERED: the step gathers it itself (its all-gather extensions), one placeholder
+            # per inner tensor of a subclass
+            target = gathered if node.meta.get(meta.GATHERED) else params
+            target.setdefault(node.meta[meta.PARAM_FQN], (node, val))
+    param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in {**params, **gathered}.items()}
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
@@ -156,6 +159,7 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
             node.meta[LOGICAL_SHAPE] = tuple(val.shape)
             node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
+    _take_local_rows(graph)
 
     for fqn, (param, full_val) in params.items():
         users = list(param.users)
@@ -200,7 +204,16 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
                 if d in u.all_input_nodes:
                     u.replace_input_with(d, again[d])
 
-    return params
+    return {**params, **gathered}
+
+
+def _take_local_rows(graph: fx.Graph) -> None:
+    """The slices that took this rank's rows of a GATHERED parameter at its global shape take
+    the first rows of its (padded) shard instead."""
+    for node in graph.nodes:
+        if meta.LOCAL_SHARD in node.meta and node.target is aten.slice.Tensor and (
+                node.args[0].meta.get(meta.GATHERED)):
+            node.args = (node.args[0], 0, 0, node.meta[meta.LOCAL_SHARD])
 
 
 def padded_gradient(graph: fx.Graph, grad: fx.Node, world: int) -> fx.Node:

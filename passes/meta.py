@@ -64,3 +64,16 @@ NOTES = "spmd_notes"
 # list[str]: the process group name of each mesh dim, outermost first (passes/expand.py), so a
 # collective's group names the mesh dim it runs on.
 MESH_DIMS = "spmd_mesh_dims"
+
+# Written by the tracer for parameters whose unshard it records (FSDP2's all-gather extensions,
+# spmd_compiler/subclass_params.py). str: the parameter's fqn, on its PARAM placeholders (the
+# expansion shards them and inserts no gather of its own) and on the all_gather issue nodes the
+# hooks asked for (bucketing leaves them alone: their inputs are computed by the hooks).
+GATHERED = "spmd_gathered"
+# int: on the nodes the tracer recorded from a GATHERED placeholder up to its gathers (the slice
+# taking this rank's rows at the global shape, the pre hook's ops on them): the number of valid
+# rows. Once the placeholder is a shard, that slice takes its rows [0, this) instead.
+LOCAL_SHARD = "spmd_local_shard"
+# GraphModule.meta: list of (fqn, [(shape, dtype) of each all-gather input], metadata
+# description) of the all-gather extensions the tracer recorded; ranks must agree on them.
+GATHER_EXTENSIONS = "spmd_gather_extensions"

@@ -56,6 +56,7 @@ from .consistency import (
     exchange_objects,
     start_agreement,
 )
+from .subclass_params import shard_context
 from .runtime import (
     CompiledGraph,
     communication_failures,
@@ -223,7 +224,7 @@ class CompiledStep:
                 summary = stored.summary
             else:
                 gm, traced, guard_code, seconds, runnable = self._build(
-                    sa, mesh_dims(mesh), key, dynamic, why)
+                    sa, mesh_dims(mesh), key, dynamic, why, shard_context(self.parallel_mode, mesh))
                 graph, num_nodes = describe_graph(gm), len(gm.graph.nodes)
             description = describe_program(sa, graph, traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
@@ -387,18 +388,20 @@ class CompiledStep:
         return os.path.join(self.dump_dir, f"compile_{index}") if dist.get_rank() == 0 else None
 
     def _build(self, sa: StepArgs, dims: list[tuple[str, int]], key: tuple | None,
-               dynamic: dict[int, tuple[int, ...]] | None = None, why: list[str] = ()):
+               dynamic: dict[int, tuple[int, ...]] | None = None, why: list[str] = (),
+               shard=None):
         """Trace, analyze, expand, optimize and lower the step; touches no live state.
-        ``dims``: (process group name, size) of each mesh dim, outermost first.
+        ``dims``: (process group name, size) of each mesh dim, outermost first; ``shard``: this
+        rank's place on the shard dim (spmd_compiler/subclass_params.py), for sharded styles.
 
         Graph modules made meanwhile generate and compile their Python code only when it is
         read or run (torch.fx's lazy graph modules): each pass's ``recompile()`` only marks it.
         """
         with _use_lazy_graph_module(True):
-            return self._build_stages(sa, dims, key, dynamic, why)
+            return self._build_stages(sa, dims, key, dynamic, why, shard)
 
     def _build_stages(self, sa: StepArgs, dims: list[tuple[str, int]], key: tuple | None,
-                      dynamic: dict[int, tuple[int, ...]] | None, why: list[str]):
+                      dynamic: dict[int, tuple[int, ...]] | None, why: list[str], shard=None):
         """Trace, analyze, expand, optimize and lower the step; touches no live state."""
         if self._last_key is not None and key is not None:
             _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
@@ -422,7 +425,7 @@ class CompiledStep:
                             fuse_optimizer=self.parallel_mode.fuse_optimizer,
                             dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic,
                             mp_policy=self.parallel_mode.mp_policy,
-                            accumulation=self._accumulation())
+                            accumulation=self._accumulation(), shard=shard)
         _log_specializations(traced, sa)
         stage("traced", traced.gm, t)
 
@@ -515,7 +518,9 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
         dims = [("explain", world_size or 2)]
     sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
                          step.parallel_mode.dynamic_dims)
-    gm, _, _, seconds, runnable = step._build(sa, dims, None)
+    mesh = step._mesh(torch.device("cpu")) if dist.is_available() and dist.is_initialized() else None
+    gm, _, _, seconds, runnable = step._build(sa, dims, None,
+                                              shard=shard_context(step.parallel_mode, mesh, dims))
     summary = summarize(gm, compile_times=seconds,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:

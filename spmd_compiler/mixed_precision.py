@@ -90,7 +90,8 @@ def cast_forward(module: torch.nn.Module, policy):
         casts: dict[int, torch.Tensor] = {}
         for sub in mod.modules():
             for name, p in sub._parameters.items():
-                if p is None or not p.is_floating_point() or p.dtype == policy.param_dtype:
+                if p is None or not p.is_floating_point() or p.dtype == policy.param_dtype or (
+                        getattr(p, "_spmd_unsharded", False)):  # an all-gather extension's own
                     continue
                 if id(p) not in casts:
                     casts[id(p)] = p.to(policy.param_dtype)

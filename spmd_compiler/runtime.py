@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from spmd_compiler.passes import meta
 
 from .errors import CollectiveError, InitializationError
+from .subclass_params import copy_hooks, inner_tensors, unflatten_outputs
 from .tracing import StepArgs, TracedStep
 
 _MESHES: dict[str, DeviceMesh] = {}
@@ -216,13 +217,15 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
         if isinstance(v, torch.Tensor)
     ]
-    broadcast_from_first([p.detach() for p in plain] + list(module.buffers()) + states, mesh)
+    broadcast_from_first([x for t in [p.detach() for p in plain] + list(module.buffers()) + states
+                          for x in inner_tensors(t)], mesh)
 
     for p in plain:
         layout = layout_for(p, fully_shard, world)
         dt, buffer = to_dtensor(p, layout, mesh)
         new = torch.nn.Parameter(_attach(dt, buffer), requires_grad=p.requires_grad)
         new._spmd_buffer = buffer
+        copy_hooks(p, new)
         seen[id(p)] = new
     for _, sub in module.named_modules(remove_duplicate=False):
         for name, p in list(sub._parameters.items()):
@@ -519,7 +522,7 @@ class CompiledGraph:
         module = sa.module
         params = _named_unique(module.named_parameters(remove_duplicate=False))
         buffers = _named_unique(module.named_buffers(remove_duplicate=False))
-        flat: list[Any] = [local_buffer(params[n]) for n in tr.param_fqns]
+        flat: list[Any] = [x for n in tr.param_fqns for x in inner_tensors(local_buffer(params[n]))]
         flat += [buffers[n] for n in tr.buffer_fqns]
         state_of = {}
         for opt in sa.optimizers:
@@ -528,7 +531,8 @@ class CompiledGraph:
                     for k, v in st.items():
                         st[k] = ensure_padded(v, mesh)
                 state_of[id(p)] = st
-        flat += [local_buffer(state_of[id(params[n])][k]) for n, k in tr.state_keys]
+        flat += [x for n, k in tr.state_keys
+                 for x in inner_tensors(local_buffer(state_of[id(params[n])][k]))]
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
                  for v, as_tensor in zip(hparams, tr.hparam_tensors)]
         flat += [sa.leaves[i] for i in sa.input_indices]
@@ -552,11 +556,12 @@ class CompiledGraph:
         n_out = tr.num_tensor_outputs
         if tr.new_state_keys:
             opt_of = {id(p): opt for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
-            for (fqn, k), t in zip(tr.new_state_keys, outs[n_out:]):
+            created = unflatten_outputs(outs[n_out:], tr.new_state_flats)
+            for (fqn, k), t in zip(tr.new_state_keys, created):
                 p = params[fqn]
                 opt_of[id(p)].state[p][k] = state_from_local(t, p, mesh)
         if tr.grads_out:
-            start = n_out + len(tr.new_state_keys)
+            start = n_out + sum(len(f.names) if f else 1 for f in tr.new_state_flats)
             accumulated.update(zip(tr.grads_out, outs[start:start + len(tr.grads_out)]))
         elif tr.grads_in:  # synced and applied
             accumulated.clear()
@@ -564,7 +569,7 @@ class CompiledGraph:
             grads = outs[len(outs) - len(self.kept_grads):]
             for fqn, g in zip(self.kept_grads, grads):
                 params[fqn].grad = grad_like(g, params[fqn], mesh)
-        leaves = list(outs[:n_out])
+        leaves = unflatten_outputs(outs[:n_out], tr.out_flats)
         for j in sorted(tr.out_constants):
             leaves.insert(j, tr.out_constants[j])
         return pytree.tree_unflatten(leaves, tr.out_spec)

@@ -60,6 +60,7 @@ from .errors import (
 from .trace_values import ReadConstantValues
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
+from . import subclass_params as subclasses
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -135,6 +136,10 @@ class TracedStep:
     # whose gradient is a trailing output (after the created states): spmd_compiler/accumulation.py
     grads_in: list[str] = field(default_factory=list)
     grads_out: list[str] = field(default_factory=list)
+    # tensor-subclass values among the outputs (spmd_compiler/subclass_params.py): the
+    # flattening of each tensor output and of each created state (None: a plain tensor)
+    out_flats: list = field(default_factory=list)
+    new_state_flats: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +412,7 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
     def on_grad(fqn):
         def hook(t):
             mode = get_proxy_mode()
-            node = get_proxy_slot(t.grad, mode.tracer).proxy.node
+            node = get_proxy_slot(subclasses.plain_grad(t), mode.tracer).proxy.node
             grad_nodes[fqn] = node
 
         return hook
@@ -530,7 +535,7 @@ def trace_step(
     fn: Callable, args: tuple, kwargs: dict | None = None, input_batch_dim: Any = 0,
     *, step_args: StepArgs | None = None, fuse_optimizer: bool = False,
     dynamic_dims: Mapping[int, Iterable[int]] | None = None, mp_policy=None,
-    accumulation: str | None = None,
+    accumulation: str | None = None, shard: "subclasses.ShardContext | None" = None,
 ) -> TracedStep:
     """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
 
@@ -541,6 +546,8 @@ def trace_step(
     outputs cast as the policy says (spmd_compiler/mixed_precision.py). ``accumulation``
     (``ACCUMULATE`` / ``APPLY``, spmd_compiler/accumulation.py) records a step whose gradients
     start from trailing gradient inputs (and, accumulating, end as trailing outputs).
+    ``shard`` (sharded styles): parameters with FSDP2's all-gather extensions are unsharded in
+    the recording as FSDP2 unshards them (spmd_compiler/subclass_params.py).
 
     The batch dim of every input is a symbolic size; so is every dim in ``dynamic_dims``
     (argument leaf index -> dims, e.g. a sequence length), each with its own symbol. A dynamic
@@ -556,7 +563,7 @@ def trace_step(
     dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
     entangled: list[tuple[int, int, str]] = []
     while True:
-        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation)
+        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation, shard)
         tied = _dims_tied_to_batch(traced, sa)
         if not tied:
             traced.entangled = entangled
@@ -629,7 +636,7 @@ class _InputShapeEnv(ShapeEnv):
 
 def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                  dynamic_dims: dict[int, tuple[int, ...]], mp_policy=None,
-                 accumulation: str | None = None) -> TracedStep:
+                 accumulation: str | None = None, shard=None) -> TracedStep:
     """One make_fx recording of the step (see ``trace_step``)."""
     module = sa.module
 
@@ -666,7 +673,15 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         with fake_mode:
             return torch.empty(shape, dtype=dtype, device=device)
 
-    fake_params = [fake_static(p).requires_grad_(p.requires_grad) for p in unique_params]
+    hooked = subclasses.hooked_parameters({fqn_of[id(p)]: p for p in unique_params},
+                                          shard is not None)
+    unflat = subclasses.Unflattened()  # subclass parameters and states: a placeholder per inner
+    fake_params = []
+    for p in unique_params:
+        fakes = unflat.fakes(p, fake_static)
+        if unflat.flats[-1] is None:  # a subclass's requires_grad goes on the rebuilt tensor
+            fakes[0].requires_grad_(p.requires_grad)
+        fake_params += fakes
     fake_buffers = [fake_static(b) for b in unique_buffers]
 
     state_keys, state_fakes = [], {}
@@ -676,7 +691,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                 if isinstance(v, torch.Tensor):
                     key = (fqn_of[id(p)], k)
                     state_keys.append(key)
-                    state_fakes[key] = fake_static(v)
+                    state_fakes[key] = unflat.fakes(v, fake_static)
     for opt in sa.optimizers:
         for g in opt.param_groups:
             for name in LIFTED_HPARAMS:
@@ -710,7 +725,9 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     source_files: set[str] = set()
     out_info = {}
 
-    counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
+    state_flat = [f for k in state_keys for f in state_fakes[k]]
+    counts = [len(fake_params), len(fake_buffers), len(state_flat), len(hparams)]
+    described: list = []  # the all-gather extensions' inputs and metadata, agreed across ranks
     accumulated = [fqn_of[id(p)] for p in unique_params if p.requires_grad] if accumulation else []
     fake_grads = [fake_static(p) for p in unique_params if p.requires_grad] if accumulation else []
     unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
@@ -719,6 +736,11 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
 
     def stateless_step(*flat):
         params, buffers, states, lifted, inputs = _split(flat, counts)
+        params = unflat.rebuild(params, 0, len(unique_params))
+        for p, fp, f in zip(unique_params, params, unflat.flats):
+            if f is not None:
+                fp.requires_grad_(p.requires_grad)
+        states = unflat.rebuild(states, len(unique_params), len(state_keys))
         inputs, grads = inputs[:len(fake_inputs)], inputs[len(fake_inputs):]
         leaves = list(sa.leaves)
         for i, t in zip(sa.input_indices, inputs):
@@ -736,6 +758,9 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         ), reads, _compiling_forward(module), cast_forward(module, mp_policy), accumulating(
             sa.optimizers, module, list(zip([fp for fp in params if fp.requires_grad], grads)),
             accumulation,
+        ), subclasses.gathered_forward(
+            module, hooked, {fqn_of[id(p)]: fp for p, fp in zip(unique_params, params)}, shard,
+            mp_policy, grad_nodes, described,
         ):
             out = fn(*call_args, **call_kwargs)
             grads_out = ([fp.grad for fp in params if fp.requires_grad]
@@ -761,6 +786,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
             if not isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
         }
         traced_out = [v for j, v in enumerate(out_leaves) if j not in out_info["constants"]]
+        traced_out, out_info["flats"] = subclasses.flatten_outputs(traced_out)
+        new_states, out_info["state_flats"] = subclasses.flatten_outputs(new_states)
         out_info["n"] = len(traced_out)
         return traced_out + new_states + grads_out
 
@@ -773,7 +800,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True), \
                 faster_symbolic_recording(), size_oblivious_reshape():
             gm = record(stateless_step, module, source_files)(
-                *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
+                *fake_params, *fake_buffers, *state_flat, *hparams,
                 *fake_inputs, *fake_grads,
             )
     except SPMDError:
@@ -796,8 +823,9 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     _check_matmul_dtypes(gm)
     _annotate(
         gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, len(hparams), sa,
-        grad_nodes, dynamic_dims,
+        grad_nodes, dynamic_dims, unflat.flats,
     )
+    subclasses.mark_gathered(gm, hooked, described)
     trailing = [n for n in gm.graph.nodes if n.op == "placeholder" and meta.ROLE not in n.meta]
     for n, fqn in zip(trailing, accumulated):  # unbatched inputs: this rank's own gradients
         n.meta.update({meta.ROLE: meta.Role.INPUT, meta.INPUT_BATCH_DIM: None,
@@ -832,6 +860,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         num_tensor_outputs=out_info["n"],
         grads_in=accumulated,
         grads_out=accumulated if accumulation == ACCUMULATE else [],
+        out_flats=out_info["flats"],
+        new_state_flats=out_info["state_flats"],
     )
 
 
@@ -972,23 +1002,26 @@ def _describe_trace_failure(e: Exception) -> str:
 
 
 def _annotate(gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, num_hparams, sa,
-              grad_nodes, dynamic_dims):
-    """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders and grads; REGION on all."""
+              grad_nodes, dynamic_dims, flats):
+    """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders and grads; REGION on all.
+    ``flats``: per parameter, then per state, its subclass flattening (one placeholder per inner
+    tensor, each annotated as the tensor it belongs to) or None."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     it = iter(placeholders)
+    per = iter(flats)
     for p in unique_params:
-        n = next(it)
-        n.meta[meta.ROLE] = meta.Role.PARAM
-        n.meta[meta.PARAM_FQN] = fqn_of[id(p)]
+        for n in subclasses.placeholders_of(it, next(per)):
+            n.meta[meta.ROLE] = meta.Role.PARAM
+            n.meta[meta.PARAM_FQN] = fqn_of[id(p)]
     for b in unique_buffers:
         n = next(it)
         n.meta[meta.ROLE] = meta.Role.BUFFER
         n.meta[meta.PARAM_FQN] = buffer_fqn_of[id(b)]
     for fqn, k in state_keys:
-        n = next(it)
-        n.meta[meta.ROLE] = meta.Role.OPT_STATE
-        n.meta[meta.PARAM_FQN] = fqn
-        n.meta[meta.STATE_KEY] = k
+        for n in subclasses.placeholders_of(it, next(per)):
+            n.meta[meta.ROLE] = meta.Role.OPT_STATE
+            n.meta[meta.PARAM_FQN] = fqn
+            n.meta[meta.STATE_KEY] = k
     for _ in range(num_hparams):
         next(it).meta[meta.ROLE] = meta.Role.HPARAM
     inputs = [n for n in placeholders if meta.ROLE not in n.meta]
