@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
 from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
+from .extension_gathers import regather_for_backward, take_local_rows
 
 _VIEW_OR_CAST = {
     aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -132,7 +133,9 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
     forward use, and with ``reshard_after_forward`` a second gather (and re-derived views) before
     its first backward use. A parameter whose every use outside the optimizer is the same cast
     (mixed precision's ``param_dtype``) is gathered in the cast dtype: the shard is cast before
-    each gather, as FSDP2 does, and the gathered tensor replaces the casts.
+    each gather, as FSDP2 does, and the gathered tensor replaces the casts. GATHERED parameters
+    (their unshard recorded by the tracer) are sharded too; their gathers are the recorded ones
+    (passes/extension_gathers.py).
     """
     graph = gm.graph
     world = world_size
@@ -159,7 +162,9 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
             node.meta[LOGICAL_SHAPE] = tuple(val.shape)
             node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
-    _take_local_rows(graph)
+    take_local_rows(graph)
+    if reshard_after_forward:
+        regather_for_backward(graph)
 
     for fqn, (param, full_val) in params.items():
         users = list(param.users)
@@ -206,14 +211,6 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
 
     return {**params, **gathered}
 
-
-def _take_local_rows(graph: fx.Graph) -> None:
-    """The slices that took this rank's rows of a GATHERED parameter at its global shape take
-    the first rows of its (padded) shard instead."""
-    for node in graph.nodes:
-        if meta.LOCAL_SHARD in node.meta and node.target is aten.slice.Tensor and (
-                node.args[0].meta.get(meta.GATHERED)):
-            node.args = (node.args[0], 0, 0, node.meta[meta.LOCAL_SHARD])
 
 
 def padded_gradient(graph: fx.Graph, grad: fx.Node, world: int) -> fx.Node:

@@ -263,7 +263,7 @@ def _gather(t: torch.Tensor, shard: ShardContext, fqn: str) -> torch.Tensor:
     out = c10d.wait_tensor(issued)
     node.meta.update({meta.ROLE: meta.Role.COLLECTIVE, meta.GATHERED: fqn,
                       meta.COLLECTIVE: dict(kind="all_gather", bytes=out.numel() * out.element_size(),
-                                            params=[fqn])})
+                                            params=[fqn], dtype=str(x.dtype))})
     _node(out).meta[meta.ROLE] = meta.Role.COLLECTIVE
     return out.view(x.dtype).view(-1, *t.shape[1:])
 

@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from spmd_compiler.passes.memory_plan import lifetimes, workspace
 from spmd_compiler.passes.expand import mesh_dim_of
 from spmd_compiler.passes.meta import (
-    BUCKET, COLLECTIVE, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT, REGION, ROLE,
+    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT, REGION, ROLE,
     STATE_KEY, Role,
 )
 
@@ -706,6 +706,17 @@ class BucketStat:
 
 
 @dataclass
+class GatherStat:
+    """One parameter all-gather: what it moves per step (its output), in which dtype, and who
+    chose that (the parameter's FSDP2 all-gather extension, or the compiler)."""
+
+    params: str
+    dtype: str
+    bytes: int
+    by: str
+
+
+@dataclass
 class ParamStat:
     fqn: str
     placement: str
@@ -732,6 +743,7 @@ class Summary:
     issued_per_call: int | None = None
     compile_times: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # per pass: what it did
+    gathers: list[GatherStat] = field(default_factory=list)
 
     @property
     def collective_bytes(self) -> int:
@@ -749,6 +761,10 @@ class Summary:
             out.append(("buckets", ["bucket", "collectives", "count", "size", "params"],
                         [[b.bucket, b.kinds, b.count, fmt_bytes(b.bytes), _short_list(b.params, 4)]
                          for b in self.buckets]))
+        if self.gathers:
+            out.append(("parameter all-gathers", ["parameters", "dtype", "bytes", "size", "by"],
+                        [[_short_list(g.params.split(", "), 4), g.dtype, g.bytes,
+                          fmt_bytes(g.bytes), g.by] for g in self.gathers]))
         with_global = any(p.global_shape for p in self.params)
         out.append(("parameters", ["parameter", "placement", "local shape", "local size"]
                     + (["global shape"] if with_global else []),
@@ -834,8 +850,11 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     by_kind: dict[str, CollectiveStat] = {}
     by_bucket: dict[int, BucketStat] = {}
     several_dims = len(gm.meta.get(MESH_DIMS) or ()) > 1
+    gathers = []
     for n in collective_nodes(gm):
         kind = collective_kind(n)
+        if kind.startswith("all_gather") and (n.meta.get(COLLECTIVE) or {}).get("params"):
+            gathers.append(gather_stat(n, sizer))
         if several_dims:  # on a mesh of several dims: which dim it runs on
             kind = f"{kind} (mesh dim {mesh_dim_of(gm, n)})"
         nbytes, symbolic = collective_bytes(n, sizer)
@@ -892,7 +911,18 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         compile_times=dict(compile_times or {}),
         notes={**gm.meta.get(NOTES, {}), **(notes or {})},
         issued_per_call=None if lowered is None else issued_per_call(lowered),
+        gathers=gathers,
     )
+
+
+def gather_stat(node: fx.Node, sizer: _Sizer) -> GatherStat:
+    """The GatherStat of a parameter all_gather issue node."""
+    info = node.meta[COLLECTIVE]
+    moved = node.args[0].meta.get("val")
+    dtype = info.get("dtype") or str(getattr(moved, "dtype", "?"))
+    by = "fsdp_pre_all_gather" if GATHERED in node.meta else "compiler"
+    return GatherStat(", ".join(info["params"]), dtype.replace("torch.", ""),
+                      collective_bytes(node, sizer)[0], by)
 
 
 def issued_per_call(lowered: fx.GraphModule) -> int:
