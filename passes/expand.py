@@ -48,7 +48,8 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
                          reshard_after_forward: bool = True,
                          broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
                          divide_after_sum: bool = False, sync_grads: bool = True,
-                         accumulate_cap_bytes: int | None = None) -> fx.GraphModule:
+                         accumulate_cap_bytes: int | None = None,
+                         divide_factor: float | None = None) -> fx.GraphModule:
     """Insert the collectives of the parameter layout ``layout`` (one MeshDim per mesh dim,
     outermost first).
 
@@ -64,7 +65,8 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
 
     With ``reduce_dtype`` (mixed precision) a gradient of another dtype is cast to it before the
     division and back after the last reduction. With ``divide_after_sum`` the reduced sum is
-    divided instead of each rank's gradient (FSDP2's ``ReduceOp.AVG`` order).
+    divided instead of each rank's gradient (FSDP2's ``ReduceOp.AVG`` order). ``divide_factor``
+    replaces the mesh's rank count as the divisor (FSDP2's ``set_gradient_divide_factor``).
     ``sync_grads=False`` (a step that only accumulates gradients) inserts no gradient
     collective. Under a 1-D shard layout, gradients accumulated over micro-batches in the step
     (an ``add_`` chain per parameter) are summed unsharded and reduce-scattered once while their
@@ -90,8 +92,9 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
         per_micro_batch = _accumulation_choice(gm, layout, sharded, accumulate_cap_bytes)
         for grad, parts in per_micro_batch.items():
             reduce_scatter_parts(graph, grad, parts, shard[0].size, shard[0].group_name,
-                                 reduce_dtype, divide_after_sum)
-        _reduce_gradients(graph, layout, set(sharded), reduce_dtype, divide_after_sum)
+                                 reduce_dtype, divide_after_sum, divide_factor)
+        _reduce_gradients(graph, layout, set(sharded), reduce_dtype, divide_after_sum,
+                          divide_factor)
     gm.recompile()
     if shard:
         reduce_optimizer_partials(gm, shard[0].group_name, shard[0].size)
@@ -121,12 +124,14 @@ def _accumulation_choice(gm: fx.GraphModule, layout: Sequence[MeshDim], sharded:
 
 
 def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[str],
-                      reduce_dtype: torch.dtype | None, divide_after_sum: bool) -> None:
+                      reduce_dtype: torch.dtype | None, divide_after_sum: bool,
+                      divide_factor: float | None = None) -> None:
     """Average every GRAD node over the mesh: divide by the number of ranks (or, with
     ``divide_after_sum``, the sum), then per mesh dim from the innermost, ``reduce_scatter``
     (a parameter sharded on that dim: the padded gradient becomes this rank's shard) or
-    ``all_reduce``; in ``reduce_dtype`` when given (cast back to the gradient's dtype after)."""
-    ranks = math.prod(d.size for d in layout)
+    ``all_reduce``; in ``reduce_dtype`` when given (cast back to the gradient's dtype after).
+    ``divide_factor`` (when given) is the divisor instead of the number of ranks."""
+    ranks = divide_factor or math.prod(d.size for d in layout)
     for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
         fqn = grad.meta[meta.PARAM_FQN]
         users = list(grad.users)

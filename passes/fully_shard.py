@@ -242,9 +242,12 @@ def micro_batch_parts(grad: fx.Node) -> list[fx.Node] | None:
     return [node.args[0]] + parts[::-1]
 
 
-def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, divide_after_sum):
+def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, divide_after_sum,
+                         divide_factor=None):
     """Reduce-scatter each micro-batch's gradient right after it is computed and sum the
-    shards; the sum replaces ``grad`` (the unsharded ``add_`` chain is erased)."""
+    shards; the sum replaces ``grad`` (the unsharded ``add_`` chain is erased). Each is divided
+    by ``divide_factor``, default ``world``."""
+    divisor = divide_factor or world
     val = grad.meta["val"]
     fqn = grad.meta[meta.PARAM_FQN]
     region = grad.meta.get(meta.REGION)
@@ -262,7 +265,7 @@ def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, di
                                 val=x.meta["val"].new_empty((rows * world,) + tuple(val.shape[1:])),
                                 region=region)
             if not divide_after_sum:
-                x = insert_call(graph, aten.div.Tensor, (x, world), like=x, region=region)
+                x = insert_call(graph, aten.div.Tensor, (x, divisor), like=x, region=region)
             shard = insert_collective(
                 graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
                 val=shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
@@ -278,7 +281,7 @@ def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, di
         total = shards[0]
         for shard in shards[1:]:
             total = insert_call(graph, aten.add.Tensor, (total, shard), like=shard, region=region)
-    total = finish_reduction(graph, total, users, divide_by=world if divide_after_sum else None,
+    total = finish_reduction(graph, total, users, divide_by=divisor if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
     total.meta[meta.PLACEMENT] = Shard(0)
     total.meta[LOGICAL_SHAPE] = tuple(val.shape)

@@ -456,6 +456,7 @@ class CompiledStep:
                 broadcast_buffers=mode.broadcast_buffers,
                 reduce_dtype=reduce_dtype_of(mode.mp_policy),
                 divide_after_sum=mode.divide_gradients == "after",
+                divide_factor=mode.gradient_divide_factor,
                 sync_grads=self._accumulation() != ACCUMULATE,
                 accumulate_cap_bytes=int((mode.reduce_cap_mb or 0) * 2**20))
         except ShardingError as e:

@@ -97,6 +97,9 @@ class DataParallel:
             float32/bfloat16 reductions, ``ReduceOp.AVG``): the ranks sum their gradients and the
             sum is divided. Same average up to round-off; "before" cannot overflow a float16
             sum, "after" rounds once.
+        gradient_divide_factor: what each gradient's sum over the ranks is divided by, instead
+            of the number of ranks (FSDP2's ``set_gradient_divide_factor``): e.g. the number of
+            tokens or samples across ranks when the loss is a per-rank sum. ``None``: average.
     """
 
     parallel_style: str = "replicate"
@@ -118,6 +121,7 @@ class DataParallel:
     automatic_dynamic: bool = True
     mp_policy: Any = None
     divide_gradients: str = "before"
+    gradient_divide_factor: float | None = None
 
     def __post_init__(self):
         budget = self.activation_memory_budget
@@ -129,6 +133,10 @@ class DataParallel:
         if self.divide_gradients not in ("before", "after"):
             raise SPMDError(f"DataParallel: divide_gradients must be 'before' or 'after', got "
                             f"{self.divide_gradients!r}")
+        factor = self.gradient_divide_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and factor > 0):
+            raise SPMDError(f"DataParallel: gradient_divide_factor must be a positive number (or "
+                            f"None), got {factor!r}")
         if self.parallel_style not in _STYLES:
             raise SPMDError(
                 f"DataParallel: unknown parallel_style {self.parallel_style!r}; "
