@@ -217,7 +217,7 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
         if isinstance(v, torch.Tensor)
     ]
-    broadcast_from_first([x for t in [p.detach() for p in plain] + list(module.buffers()) + states
+    broadcast_from_first([x.detach() for t in plain + list(module.buffers()) + states
                           for x in inner_tensors(t)], mesh)
 
     for p in plain:
