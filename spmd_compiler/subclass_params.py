@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -281,7 +282,7 @@ def unshard(fqn: str, outer: torch.Tensor, hooks: Hooks, shard: ShardContext, mo
     else:
         stride = torch.empty(outer.shape, device="meta").stride()
         inputs, metadata = hooks.pre(local, shard.mesh, torch.Size(outer.shape), stride, module,
-                                     policy)
+                                     policy or MixedPrecisionPolicy())  # FSDP2's default
     padded = torch.Size((rows,) + tuple(outer.shape[1:]))
     if local.shape != padded and any(t.shape != padded for t in inputs):
         raise UnsupportedError(

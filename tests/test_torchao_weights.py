@@ -1,6 +1,7 @@
-"""torchao's float8 training weights (``convert_to_float8_training`` with
-``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``) under the compiled fully_shard step,
-against eager FSDP2 with the same model, on gloo. Skipped without torchao (the ``test`` extra).
+"""torchao's low-precision training weights under the compiled fully_shard step, against eager
+FSDP2 with the same model, on gloo. Skipped without torchao (the ``test`` extra).
+
+float8: ``convert_to_float8_training`` with ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``.
 
 The weights are ``WeightWithDynamicFloat8CastTensor``: their pre hook casts this rank's shard to
 float8 with a scale from the amax all-reduced over the shard dim, the gather moves the float8
@@ -8,6 +9,10 @@ bytes (a quarter of float32's) and the post hook wraps them with the scale as th
 ``Float8TrainingTensor`` the forward's matmul takes. Both sides cast the same values with the
 same scales and run the same float8 matmuls; parameters and Adam states are compared at float32
 round-off (rtol 1e-5, atol 1e-6) after every step.
+
+int8 mixed precision: ``quantize_(model, int8_mixed_precision_training())`` (its int8 matmuls run
+on CPU). Its weights' hooks gather the float32 data with the config as metadata and rebuild the
+weight whose dispatch quantizes in the matmuls; same tolerances.
 """
 
 from __future__ import annotations
@@ -40,10 +45,20 @@ def float8_model() -> nn.Module:
         model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
 
 
-def float8_job(reshard_after_forward: bool) -> dict:
+def int8_model() -> nn.Module:
+    from torchao import quantize_
+    from torchao.prototype.quantized_training import int8_mixed_precision_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 24))
+    quantize_(model, int8_mixed_precision_training())
+    return model
+
+
+def torchao_job(kind: str, reshard_after_forward: bool) -> dict:
     from spmd_compiler import DataParallel, spmd_compile
 
-    model = float8_model()
+    model = float8_model() if kind == "float8" else int8_model()
     ref = deepcopy(model)
     fsdp2(ref, [ref[0], ref[2]], reshard_after_forward=reshard_after_forward)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -52,7 +67,7 @@ def float8_job(reshard_after_forward: bool) -> dict:
         "fully_shard", reshard_after_forward=reshard_after_forward))(sum_step)
     chk = ParityChecker()
     for i in range(STEPS):
-        x = rank_data(900 + i, (8, 48))
+        x = rank_data(900 + i, (8, 48))  # the same data for both kinds
         loss = compiled(model, optim, x)
         ref_loss = sum_step(ref, ref_optim, x)
         chk.close("loss", f"step {i}: loss", loss, ref_loss.detach())
@@ -62,15 +77,28 @@ def float8_job(reshard_after_forward: bool) -> dict:
                               if p.dim() == 2}))
 
 
+WEIGHTS = {"0.weight": 96 * 48, "2.weight": 24 * 96}  # elements
+
+
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
 def test_float8_weights_match_fsdp2(pool, reshard_after_forward, record_property):
-    for rank, rep in enumerate(pool.run(float8_job, reshard_after_forward, timeout=600)):
+    for rank, rep in enumerate(pool.run(torchao_job, "float8", reshard_after_forward, timeout=600)):
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
         assert rep["types"] == ["WeightWithDynamicFloat8CastTensor"], rep
         # one byte per element: the float8 data, moved as bytes (gloo moves no float8 dtype)
         assert rep["gathers"] and all(d == "torch.uint8" for _, _, d in rep["gathers"]), rep
-        weights = {"0.weight": 96 * 48, "2.weight": 24 * 96}  # elements: float8 is a byte each
-        assert {fqn for fqn, _, _ in rep["gathers"]} == set(weights), rep
-        assert all(nbytes == weights[fqn] for fqn, nbytes, _ in rep["gathers"]), rep
+        assert {fqn for fqn, _, _ in rep["gathers"]} == set(WEIGHTS), rep
+        assert all(nbytes == WEIGHTS[fqn] for fqn, nbytes, _ in rep["gathers"]), rep
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
+def test_int8_mixed_precision_weights_match_fsdp2(pool, record_property):
+    for rank, rep in enumerate(pool.run(torchao_job, "int8", True, timeout=600)):
+        record_property(f"rank{rank}_max_err", rep["max_err"])
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+        assert rep["types"] == ["Int8MixedPrecisionTrainingLinearWeight"], rep
+        # the hooks gather the float32 data (torchao quantizes in the matmuls)
+        assert all(d == "torch.float32" for _, _, d in rep["gathers"]), rep
+        assert all(nbytes == 4 * WEIGHTS[fqn] for fqn, nbytes, _ in rep["gathers"]), rep
