@@ -171,7 +171,9 @@ def describe_graph(gm: fx.GraphModule) -> dict[str, Any]:
          n.meta.get(meta.BUCKET), mesh_dim_of(gm, n))
         for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
     ]
-    return {"collective sequence": collectives}
+    extensions = gm.meta.get(meta.GATHER_EXTENSIONS)
+    return {"collective sequence": collectives,
+            **({"all-gather extensions (inputs, metadata)": extensions} if extensions else {})}
 
 
 def describe_program(sa: StepArgs, graph: dict[str, Any],

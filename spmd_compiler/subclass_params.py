@@ -93,8 +93,8 @@ def inner_tensors(t: Any) -> list:
 def check_honourable(fqn: str, t: torch.Tensor) -> None:
     """Raise an UnsupportedError for a subclass parameter the compiler cannot honour."""
     local = _local(t)
-    if type(local) in (torch.Tensor, torch.nn.Parameter) or not isinstance(local, torch.Tensor):
-        return
+    if getattr(type(local), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
+        return  # no dispatch of its own: recorded as the plain tensor it behaves as
     if not is_traceable_wrapper_subclass(local):
         raise UnsupportedError(
             f"parameter {fqn!r} is a {type(local).__name__}, a tensor subclass without "

@@ -309,3 +309,85 @@ def test_bfloat16_gather_moves_half_the_bytes(pool, record_property):
         plain = sum(nbytes for _, _, nbytes, _ in rep["plain_summary"])
         assert sum(nbytes for _, nbytes, _ in graph) * 2 == plain, rep
         assert "parameter all-gathers" in rep["text"] and "fsdp_pre_all_gather" in rep["text"]
+
+
+# --------------------------------------------------------------------------------------------------
+# What the compiler refuses, at the first call, before any state changes
+# --------------------------------------------------------------------------------------------------
+
+
+class Opaque(torch.Tensor):
+    """A tensor subclass with its own dispatch and no __tensor_flatten__ (not traceable)."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype,
+                                                   requires_grad=data.requires_grad)
+
+    def __init__(self, data):
+        self._data = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        from torch.utils import _pytree as pytree
+
+        unwrapped = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs or {}))
+        out = func(*unwrapped[0], **unwrapped[1])
+        return cls(out) if func is torch.ops.aten.detach.default else out
+
+
+def _refused(model, style: str = "fully_shard") -> str:
+    """The compiled step's error on ``model`` (and whether model and optimizer stayed as they
+    were: plain tensors, no state)."""
+    from torch.distributed.tensor import DTensor
+
+    from spmd_compiler import DataParallel, SPMDError, spmd_compile
+
+    optim = torch.optim.Adam(model.parameters(), lr=LR)
+    try:
+        spmd_compile(DataParallel(style))(sum_step)(model, optim, rank_data(1, (2, 8)))
+        return "accepted"
+    except SPMDError as e:
+        untouched = not optim.state and not any(isinstance(p, DTensor) for p in model.parameters())
+        return f"{type(e).__name__}: {e}" + ("" if untouched else " [STATE CHANGED]")
+
+
+def refusals_job() -> dict:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    out = {}
+    torch.manual_seed(0)
+    TwoTensor.fsdp_pre_all_gather = two_tensor_fsdp_pre_all_gather
+    try:
+        out["one hook"] = _refused(init_two_tensor_mlp(8))
+    finally:
+        del TwoTensor.fsdp_pre_all_gather
+    out["no hooks"] = _refused(init_two_tensor_mlp(8))
+    model = nn.Sequential(MLP(8))
+    model[0].in_proj.weight = nn.Parameter(Opaque(model[0].in_proj.weight.detach()))
+    out["opaque"] = _refused(model, "replicate")
+
+    # hooks whose all-gather inputs differ across ranks: gloo would gather garbage or hang
+    def pre(self, mesh):
+        return (self.to(torch.bfloat16 if dist.get_rank() == 0 else torch.float16),), None
+
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        return outputs[0].to(param_dtype), outputs
+
+    model = nn.Sequential(MLP(8))
+    for p in model.parameters():
+        p.fsdp_pre_all_gather = types.MethodType(pre, p)
+        p.fsdp_post_all_gather = types.MethodType(post, p)
+    out["ranks disagree"] = _refused(model)
+    return out
+
+
+def test_what_cannot_be_honoured_is_refused(pool2):
+    for rep in pool2.run(refusals_job, timeout=300):
+        assert rep["one hook"].startswith("UnsupportedError"), rep
+        assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in rep["one hook"], rep
+        assert "TwoTensor without FSDP2's all-gather extensions" in rep["no hooks"], rep
+        assert "Opaque, a tensor subclass without __tensor_flatten__" in rep["opaque"], rep
+        assert rep["ranks disagree"].startswith("RankMismatchError"), rep
+        assert "all-gather extensions" in rep["ranks disagree"], rep
+        assert not any("STATE CHANGED" in v for v in rep.values()), rep
