@@ -56,7 +56,7 @@ from .consistency import (
     exchange_objects,
     start_agreement,
 )
-from .subclass_params import shard_context
+from .subclass_params import extension_key, shard_context
 from .runtime import (
     CompiledGraph,
     communication_failures,
@@ -686,6 +686,7 @@ def step_key(sa: StepArgs) -> tuple:
         ("module", id(module)), ("parameters", params), ("buffers", buffers),
         ("train/eval mode", training), ("optimizer", tuple(optim)),
         ("input structure", str(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
+        ("all-gather extensions", extension_key(module)),
     )
 
 

@@ -449,3 +449,10 @@ def shard_context(mode, mesh=None, dims=None) -> ShardContext | None:
     shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[d]]
     return ShardContext(mesh.get_local_rank(d), mesh.size(d), mesh.get_group(d).group_name,
                         shard_mesh)
+
+
+def extension_key(module: torch.nn.Module) -> tuple:
+    """The parameters that carry an all-gather hook (a step key component: hooks set on a
+    parameter after a compile make another program)."""
+    return tuple(name for name, p in module.named_parameters()
+                 if any(hasattr(_local(p), h) for h in HOOKS))

@@ -535,3 +535,18 @@ def test_two_tensor_replicate(pool2, record_property):
     for rank, rep in enumerate(pool2.run(two_tensor_other_styles_job, "replicate", timeout=600)):
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+
+
+def test_hooks_set_later_change_the_step_key():
+    """A compiled program records the hooks it saw: hooks set on a parameter afterwards make
+    the step's key differ, so the next call compiles again."""
+    from spmd_compiler.api import step_key
+    from spmd_compiler.tracing import split_step_args
+
+    model = nn.Sequential(MLP(8))
+    optim = torch.optim.Adam(model.parameters(), lr=LR)
+    before = step_key(split_step_args((model, optim, torch.randn(2, 8)), {}, 0))
+    patch_weights(model, lambda p: p)
+    after = step_key(split_step_args((model, optim, torch.randn(2, 8)), {}, 0))
+    assert dict(before)["all-gather extensions"] == ()
+    assert dict(after)["all-gather extensions"] == ("0.in_proj.weight", "0.out_proj.weight")
