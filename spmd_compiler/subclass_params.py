@@ -434,6 +434,16 @@ def mark_gathered(gm: torch.fx.GraphModule, hooked: dict[str, Hooks], described:
             node.meta[meta.GATHERED] = node.meta[meta.PARAM_FQN]
     if described:
         gm.meta[meta.GATHER_EXTENSIONS] = described
+    for node in gm.graph.nodes:  # the hooks' own collectives (torchao's amax all-reduce)
+        if getattr(node.target, "namespace", None) == "_c10d_functional" and (
+                meta.ROLE not in node.meta):
+            node.meta[meta.ROLE] = meta.Role.COLLECTIVE
+            kind = node.target.__name__.split(".")[0]
+            if kind != "wait_tensor":
+                val = node.meta.get("val")
+                node.meta[meta.COLLECTIVE] = dict(
+                    kind=kind, params=[],
+                    bytes=val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0)
 
 
 def shard_context(mode, mesh=None, dims=None) -> ShardContext | None:
