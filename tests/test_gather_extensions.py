@@ -534,3 +534,38 @@ def test_hooks_set_later_change_the_step_key():
     after = step_key(split_step_args((model, optim, torch.randn(2, 8)), {}, 0))
     assert dict(before)["all-gather extensions"] == ()
     assert dict(after)["all-gather extensions"] == ("0.in_proj.weight", "0.out_proj.weight")
+
+
+def mixed_precision_hooks_job() -> dict:
+    """BF16GatherWeight weights with ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)`` on both sides: the post hook gets ``param_dtype`` bfloat16 (the
+    compute is bfloat16) and the unsharded weight is not cast again; gradients reduced in
+    float32 and summed before the division (FSDP2's order), so both reduce the same values."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = bf16_weights(nn.Sequential(*[MLP(8) for _ in range(2)]))
+    ref = deepcopy(model)
+    fsdp2(ref, list(ref), mp_policy=policy)
+    optim = torch.optim.Adam(model.parameters(), lr=LR)
+    ref_optim = torch.optim.Adam(ref.parameters(), lr=LR)
+    compiled = spmd_compile(DataParallel("fully_shard", mp_policy=policy,
+                                         divide_gradients="after"))(sum_step)
+    chk = ParityChecker()
+    for i in range(STEPS):
+        x = rank_data(650 + i, (4, 8))
+        loss = compiled(model, optim, x)
+        ref_loss = sum_step(ref, ref_optim, x)
+        chk.close("loss", f"step {i}: loss", loss, ref_loss.detach())
+        compare(chk, f"step {i}", model, optim, ref, ref_optim)
+    return dict(problems=chk.problems, max_err=chk.max_err, gathers=gathers(compiled))
+
+
+def test_mixed_precision_with_hooks(pool2, record_property):
+    for rank, rep in enumerate(pool2.run(mixed_precision_hooks_job, timeout=600)):
+        record_property(f"rank{rank}_max_err", rep["max_err"])
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+        assert rep["gathers"] and all(d == "torch.bfloat16" for _, _, d in rep["gathers"]), rep
