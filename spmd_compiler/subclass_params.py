@@ -100,6 +100,11 @@ def check_honourable(fqn: str, t: torch.Tensor) -> None:
             f"parameter {fqn!r} is a {type(local).__name__}, a tensor subclass without "
             f"__tensor_flatten__/__tensor_unflatten__: the compiled step records plain tensors "
             f"and cannot record it")
+    if local.is_meta:
+        raise UnsupportedError(
+            f"parameter {fqn!r} is a {type(local).__name__} on the meta device: the compiled "
+            f"step's meta-device initialization makes plain tensors; materialize it first "
+            f"(module.to_empty(device=...) and your initialization, as with FSDP2)")
     names, _ = local.__tensor_flatten__()
     for n in names:
         inner = getattr(local, n)

@@ -569,3 +569,39 @@ def test_mixed_precision_with_hooks(pool2, record_property):
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
         assert rep["gathers"] and all(d == "torch.bfloat16" for _, _, d in rep["gathers"]), rep
+
+
+def meta_init_job() -> dict:
+    """Seed 003's end-to-end test: the TwoTensor MLP built on the meta device, materialized with
+    ``to_empty`` and initialized with ``trunc_normal_`` (as the seed does), then three steps.
+    Left on the meta device, the compiled step refuses it (its meta-device path makes plain
+    tensors)."""
+    from spmd_compiler import DataParallel, SPMDError, spmd_compile
+
+    with patched_two_tensor():
+        with torch.device("meta"):
+            model = init_two_tensor_mlp(8)
+        optim = torch.optim.Adam(model.parameters(), lr=LR, foreach=True)
+        compiled = spmd_compile(DataParallel("fully_shard"))(sum_step)
+        try:
+            compiled(model, optim, rank_data(40, (2, 8)))
+            refused = "accepted"
+        except SPMDError as e:
+            refused = f"{type(e).__name__}: {e}"
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            nn.init.trunc_normal_(p)
+        optim = torch.optim.Adam(model.parameters(), lr=LR, foreach=True)
+        losses = [float(parts(compiled(model, optim, rank_data(40 + i, (2, 8))))[0])
+                  for i in range(3)]
+        finite = all(bool(torch.isfinite(t).all()) for p in model.parameters() for t in parts(p))
+        return dict(losses=losses, finite=finite, refused=refused,
+                    types=sorted({type(p.to_local()).__name__ for p in model.parameters()}))
+
+
+def test_meta_device_two_tensor_end_to_end(pool2):
+    for rep in pool2.run(meta_init_job, timeout=600):
+        assert rep["refused"].startswith("UnsupportedError"), rep
+        assert "meta device" in rep["refused"], rep
+        assert rep["finite"] and rep["types"] == ["TwoTensor"], rep
+        assert all(loss == loss for loss in rep["losses"]), rep  # no NaN
