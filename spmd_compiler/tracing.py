@@ -58,6 +58,7 @@ from .errors import (
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
+from .side_effects import warn_value_reads, watch as watch_side_effects
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
 
@@ -716,6 +717,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
                  enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
     reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
+    constants = [(sa.leaf_name(j), x) for j, x in enumerate(sa.leaves) if j not in sa.input_indices
+                 and j != sa.module_index and j not in sa.optimizer_indices]
 
     def stateless_step(*flat):
         params, buffers, states, lifted, inputs = _split(flat, counts)
@@ -736,7 +739,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         ), reads, _compiling_forward(module), cast_forward(module, mp_policy), accumulating(
             sa.optimizers, module, list(zip([fp for fp in params if fp.requires_grad], grads)),
             accumulation,
-        ):
+        ), watch_side_effects(fn, module, sa.optimizers, constants, _user_line_here):
             out = fn(*call_args, **call_kwargs)
             grads_out = ([fp.grad for fp in params if fp.requires_grad]
                          if accumulation == ACCUMULATE else [])
@@ -792,6 +795,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
             ) from e
         raise TraceError(_describe_trace_failure(e)) from e
 
+    warn_value_reads(reads.user_reads)
     remove_profiler_nodes(gm)
     _check_matmul_dtypes(gm)
     _annotate(
