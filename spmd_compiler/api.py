@@ -35,7 +35,7 @@ from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
 from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.grad_outputs import output_gradients
 
-from . import cache
+from . import cache, compile_log, saving
 from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
@@ -211,6 +211,7 @@ class CompiledStep:
         """Build the graph (or load it from the disk cache), check that every rank has the same,
         then place the live state."""
         group = mesh_group(mesh)
+        why_again = compile_log.reason(self._last_key, key)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._dims_to_trace_dynamic(sa, group)
@@ -240,6 +241,7 @@ class CompiledStep:
         place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style in SHARDED_STYLES,
                     self.parallel_mode.param_init_fn, torch.device(mesh.device_type))
         attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
+        saving.attach(sa.module, sa.optimizers, self.parallel_mode.parallel_style in SHARDED_STYLES)
         key = self._step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager",
@@ -257,11 +259,8 @@ class CompiledStep:
 
             write_summary(entry_summary(entry), dump_dir)
             write_summary(entry_summary(entry), self.dump_dir)  # the latest, at the top level
-        _info(
-            "spmd_compiler: %s %s (%s, %d nodes) in %.2fs",
-            "loaded" if stored is not None else "compiled", self.__name__,
-            self.parallel_mode.parallel_style, num_nodes, self.last_compile_seconds,
-        )
+        compile_log.announce(self.__name__, self.parallel_mode.parallel_style, num_nodes,
+                             seconds, stored is not None, why_again)
         if stored is not None:
             self.cache_hits += 1
         elif disk_key is not None:
@@ -401,7 +400,8 @@ class CompiledStep:
                       dynamic: dict[int, tuple[int, ...]] | None, why: list[str]):
         """Trace, analyze, expand, optimize and lower the step; touches no live state."""
         if self._last_key is not None and key is not None:
-            _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
+            _info("spmd_compiler: recompiling %s (%s): %s", self.__name__,
+                  compile_log.reason(self._last_key, key), _why(self._last_key, key))
         if why:
             _info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         fully_shard = self.parallel_mode.parallel_style in SHARDED_STYLES

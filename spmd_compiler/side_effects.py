@@ -281,15 +281,16 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str
             for key in _diff(before, group):
                 out.append(_Change(f"optimizer {k} param_groups[{i}][{key!r}]",
                                    getattr(group, "lines", {}).get(key)))
+    stores = _stores(fn, "STORE_ATTR")
     for name, m, before in snap.modules:
         changed = _diff(before, m.__dict__)
         if any(isinstance(m.__dict__.get(a), torch.Tensor) for a in changed):
             _put_back(m.__dict__, before)  # a cache of tensors made from the inputs
             continue
-        lines = _stores(type(m).forward, "STORE_ATTR")
+        forward = _stores(type(m).forward, "STORE_ATTR")
         out += [_Change(f"attribute {a!r} of module {name or '<root>'!r} ({type(m).__name__})",
-                        _line(type(m).forward, lines.get(a))) for a in changed]
-    stores = _stores(fn, "STORE_ATTR")
+                        _line(type(m).forward, forward[a]) if a in forward else
+                        _line(fn, stores.get(a))) for a in changed]
     for label, var, obj, before in snap.objects:
         changed = _diff(before, vars(obj))
         if changed:
@@ -345,7 +346,7 @@ _TORCH = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(__file__)
 _DISPATCH = tuple(os.path.join(_TORCH, p) for p in (
     "_ops.py", "utils", "_tensor.py", "fx", "_subclasses", "overrides.py", "_decomp", "_refs",
-    "_prims", "_higher_order_ops", "_library", "_dynamo"))
+    "_prims", "_higher_order_ops", "_library", "_dynamo", "_compile.py"))
 
 
 def value_read_line() -> str | None:
