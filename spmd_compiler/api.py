@@ -41,6 +41,7 @@ from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedEr
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
 from .mixed_precision import check_policy, reduce_dtype_of
 from .accumulation import ACCUMULATE, APPLY
+from .replay import run_after
 from .eager import attach as attach_eager_use, refuse_bound
 from .consistency import (
     CACHED,
@@ -184,7 +185,9 @@ class CompiledStep:
                                               running=choice)
                 try:
                     with torch.no_grad(), agreement_in_flight(pending):
-                        return self._programs[choice](sa, mesh, hparams, self._accumulated)
+                        out = self._programs[choice](sa, mesh, hparams, self._accumulated)
+                    run_after(self.fn, self._programs[choice].traced.replay, sa)
+                    return out
                 except Redispatch as r:
                     choice = r.choice
             else:
@@ -193,7 +196,9 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            return entry(sa, mesh, hparams, self._accumulated)
+            out = entry(sa, mesh, hparams, self._accumulated)
+        run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
+        return out
 
     def _mesh(self, device: torch.device):
         """The step's mesh: the one given, else the 1-D mesh over the default group."""

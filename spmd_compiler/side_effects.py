@@ -17,9 +17,10 @@ snapshots, before the step's code runs, the Python state the step can change:
   level deep (a list appended to);
 - the globals the step's code assigns (``global step_count``).
 
-After the step's code has run it compares. Any change raises a :class:`SideEffectError` that
-names what changed and the user's line, and says to do it outside the compiled step; the state is
-put back as it was first (a failed compile changes nothing). One exception: a module that
+After the step's code has run it compares, and puts the state back as it was (a change made with
+the recording's stand-ins must not stay). The changes go to spmd_compiler/replay.py, which runs
+the statements that made them again after every call, or raises a :class:`SideEffectError` that
+names what changed, the user's line and why it cannot (a failed compile changes nothing). One exception: a module that
 changed a tensor attribute is caching something made from its inputs (a rotary embedding's
 cos/sin table and its length): its attributes are put back silently, and the model, eager or
 compiled, recomputes the cache (a traced tensor must not stay on the model).
@@ -36,6 +37,7 @@ import contextlib
 import dis
 import logging
 import os
+import re
 import sys
 import types
 import warnings
@@ -64,9 +66,17 @@ class ValueReadWarning(UserWarning):
 
 
 @dataclass
-class _Change:
+class Change:
+    """One change of Python state: what, and the user's line that made it (text, and where)."""
+
     what: str
     line: str | None = None
+
+    @property
+    def where(self) -> tuple[str, int] | None:
+        """(file, line number) of ``line``."""
+        m = re.match(r'File "(.*)", line (\d+)', self.line or "")
+        return (m.group(1), int(m.group(2))) if m else None
 
 
 @dataclass
@@ -134,6 +144,17 @@ def _plain_object(obj: Any) -> bool:
     if module.startswith("torch."):
         return module == "torch.optim.lr_scheduler"
     return module.split(".")[0] not in sys.stdlib_module_names
+
+
+def step_constants(sa) -> list[tuple[str, Any]]:
+    """(name, value) of the step's arguments that are neither tensors nor its module and
+    optimizers (``sa``: tracing.StepArgs)."""
+    return [(sa.leaf_name(j), x) for j, x in enumerate(sa.leaves) if j not in sa.input_indices
+            and j != sa.module_index and j not in sa.optimizer_indices]
+
+
+def unwrapped(fn: Callable) -> Callable:
+    return getattr(fn, "__wrapped__", fn)
 
 
 def _code_objects(code: types.CodeType):
@@ -231,12 +252,12 @@ class _RecordingGroup(dict):
 
 @contextlib.contextmanager
 def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: list[Any],
-          where: Callable[[], str]):
-    """Run the step's code inside this block; raise SideEffectError if it changed Python state
-    (see the module docstring). ``constants``: (name, value) of the step's non-tensor, non-state
-    arguments;
+          where: Callable[[], str], into: list[Change] | None = None):
+    """Run the step's code inside this block; if it changed Python state (see the module
+    docstring), put the state back and raise SideEffectError, or, given ``into``, append the
+    changes to it. ``constants``: (name, value) of the step's non-tensor, non-state arguments;
     ``where()``: the user's line now (for writes to param groups)."""
-    fn = getattr(fn, "__wrapped__", fn)
+    fn = unwrapped(fn)
     snap = _Snapshot()
     originals = []
     for k, opt in enumerate(optimizers):
@@ -247,6 +268,7 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
     snap.objects = [(label, var, obj, _state(vars(obj))) for label, var, obj in _reach(fn, constants)]
     assigned = _stores(fn, "STORE_GLOBAL")
     snap.globals = {n: fn.__globals__.get(n, _MISSING) for n in assigned}
+    changes: list[Change] = []
     try:
         yield
         changes = _changes(snap, fn, optimizers, assigned)
@@ -254,15 +276,19 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
         _restore(snap, fn)
         raise
     finally:
-        for opt, groups in zip(optimizers, originals):
-            for old, new in zip(groups, opt.param_groups):
+        for opt, groups, (_, before) in zip(optimizers, originals, snap.groups):
+            for old, new, state in zip(groups, opt.param_groups, before):
                 if old is not new:
                     old.clear()
                     old.update(new)
+                if changes or sys.exc_info()[0] is not None:
+                    _put_back(old, state)
             opt.param_groups[:] = groups + opt.param_groups[len(groups):]
     if changes:
         _restore(snap, fn)
-        raise SideEffectError(_message(fn, changes))
+        if into is None:
+            raise SideEffectError(message(fn, changes))
+        into.extend(changes)
 
 
 def _diff(before: dict, now: dict) -> list[str]:
@@ -271,15 +297,15 @@ def _diff(before: dict, now: dict) -> list[str]:
     return changed + [k for k in before if k not in now]
 
 
-def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str, int]) -> list[_Change]:
+def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str, int]) -> list[Change]:
     out = []
     for k, groups in snap.groups:
         now = optimizers[k].param_groups
         if len(now) != len(groups):
-            out.append(_Change(f"optimizer {k}: param groups added or removed"))
+            out.append(Change(f"optimizer {k}: param groups added or removed"))
         for i, (before, group) in enumerate(zip(groups, now)):
             for key in _diff(before, group):
-                out.append(_Change(f"optimizer {k} param_groups[{i}][{key!r}]",
+                out.append(Change(f"optimizer {k} param_groups[{i}][{key!r}]",
                                    getattr(group, "lines", {}).get(key)))
     stores = _stores(fn, "STORE_ATTR")
     for name, m, before in snap.modules:
@@ -288,18 +314,18 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str
             _put_back(m.__dict__, before)  # a cache of tensors made from the inputs
             continue
         forward = _stores(type(m).forward, "STORE_ATTR")
-        out += [_Change(f"attribute {a!r} of module {name or '<root>'!r} ({type(m).__name__})",
+        out += [Change(f"attribute {a!r} of module {name or '<root>'!r} ({type(m).__name__})",
                         _line(type(m).forward, forward[a]) if a in forward else
                         _line(fn, stores.get(a))) for a in changed]
     for label, var, obj, before in snap.objects:
         changed = _diff(before, vars(obj))
         if changed:
             line = next((stores[a] for a in changed if a in stores), _use_line(fn, var))
-            out.append(_Change(f"{type(obj).__name__} object ({label}): attribute(s) "
+            out.append(Change(f"{type(obj).__name__} object ({label}): attribute(s) "
                                f"{', '.join(map(str, changed))}", _line(fn, line)))
     for n, line in assigned.items():
         if not _same(snap.globals[n], fn.__globals__.get(n, _MISSING)):
-            out.append(_Change(f"global {n!r}", _line(fn, line)))
+            out.append(Change(f"global {n!r}", _line(fn, line)))
     return out
 
 
@@ -324,19 +350,20 @@ def _restore(snap: _Snapshot, fn: Callable) -> None:
             fn.__globals__[n] = value
 
 
-def _message(fn: Callable, changes: list[_Change]) -> str:
+def message(fn: Callable, changes: list[Change], why: str = "") -> str:
     code = getattr(fn, "__code__", None)
     step = (f"{fn.__name__} (File \"{code.co_filename}\", line {code.co_firstlineno})"
             if code is not None else getattr(fn, "__name__", "the step"))
     items = "; ".join(c.what + (f" at {c.line}" if c.line else "") for c in changes)
     return (
-        f"the step {step} changes Python state while it is recorded: {items}. The compiled step "
+        f"the step {step} changes Python state while it is recorded: {items}. {why}The compiled step "
         f"runs the recorded tensor operations on every call, but the step's Python code only "
         f"once, while recording, so this change would happen once (with the recording's "
         f"stand-in values) and never again. Do it outside the compiled step, after each call "
-        f"(e.g. `loss = train_step(...); scheduler.step()`); a learning rate set in the "
-        f"optimizer's param_groups between calls takes effect. The state was left as it was "
-        f"before the call.")
+        f"(e.g. `loss = train_step(...); scheduler.step()`), or in a top-level statement at the "
+        f"end of the step that uses only the step's arguments, closure variables and globals "
+        f"(such statements run again after every call); a learning rate set in the optimizer's "
+        f"param_groups between calls takes effect. The state was left as it was before the call.")
 
 
 # ---------------------------------------------------------------------------------------------

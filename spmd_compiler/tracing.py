@@ -58,7 +58,8 @@ from .errors import (
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
-from .side_effects import warn_value_reads, watch as watch_side_effects
+from .side_effects import step_constants, warn_value_reads, watch as watch_side_effects
+from . import replay
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
 
@@ -136,6 +137,8 @@ class TracedStep:
     # whose gradient is a trailing output (after the created states): spmd_compiler/accumulation.py
     grads_in: list[str] = field(default_factory=list)
     grads_out: list[str] = field(default_factory=list)
+    # statements of the step run again after every call (spmd_compiler/replay.py)
+    replay: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -717,8 +720,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
                  enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
     reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
-    constants = [(sa.leaf_name(j), x) for j, x in enumerate(sa.leaves) if j not in sa.input_indices
-                 and j != sa.module_index and j not in sa.optimizer_indices]
+    constants = step_constants(sa)
+    changed: list = []  # Python state the step's code changed (side_effects.py)
 
     def stateless_step(*flat):
         params, buffers, states, lifted, inputs = _split(flat, counts)
@@ -739,7 +742,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         ), reads, _compiling_forward(module), cast_forward(module, mp_policy), accumulating(
             sa.optimizers, module, list(zip([fp for fp in params if fp.requires_grad], grads)),
             accumulation,
-        ), watch_side_effects(fn, module, sa.optimizers, constants, _user_line_here):
+        ), watch_side_effects(
+            fn, module, sa.optimizers, constants, _user_line_here, into=changed):
             out = fn(*call_args, **call_kwargs)
             grads_out = ([fp.grad for fp in params if fp.requires_grad]
                          if accumulation == ACCUMULATE else [])
@@ -813,6 +817,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
             f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "
             f"by the loss. Set requires_grad=False on parameters that are frozen, or remove them."
         )
+    after_call = replay.plan(fn, changed, gm, sa, _user_line_here)
     return TracedStep(
         gm=gm,
         shape_env=shape_env,
@@ -836,6 +841,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         num_tensor_outputs=out_info["n"],
         grads_in=accumulated,
         grads_out=accumulated if accumulation == ACCUMULATE else [],
+        replay=after_call,
     )
 
 

@@ -1,9 +1,10 @@
 """Nothing a user writes in a step is silently dropped, and a replicate model saves like DDP's.
 
-- Python state the step changes while it is recorded (an LR scheduler stepped inside the step,
-  reached through a closure or passed as an argument; a module attribute; a global) raises a
-  SideEffectError naming it and the user's line, and is left as it was: the same training with
-  the scheduler stepped after each call matches DDP's learning rate and parameters.
+- Python state the step changes while it is recorded: an LR scheduler stepped at the end of the
+  step (reached through a closure or passed as an argument), a module attribute or a global
+  counted up there, is changed again after every call, and training matches DDP's learning rate
+  and parameters; a change the compiled step cannot repeat (a scheduler stepped before the
+  step's tensor work) raises a SideEffectError naming it and the line, and is left as it was.
 - A scheduler passed to the step and only read is no cause for a rank disagreement.
 - ``print(loss.item())`` in the step warns, naming the line; foreach Adam's own ``.item()`` does not.
 - replicate: nanoGPT's checkpoint flow (``torch.save`` of ``model.state_dict()`` and
@@ -90,8 +91,10 @@ def _compare(check, model, opt, ref, ref_opt, where):
 
 
 def scheduler_job(how: str) -> dict:
-    """The scheduler stepped inside the step raises and is left alone; stepped after each call it
-    matches DDP (lr and parameters)."""
+    """A scheduler stepped inside the step (through a closure, or passed as an argument) keeps
+    working as in eager PyTorch: the learning rate and the parameters match DDP's with the
+    scheduler stepped at the end of its eager step. Passed and only read, it is no cause for a
+    rank disagreement. Stepped before the step's tensor work, it raises and is left alone."""
     from spmd_compiler import DataParallel, spmd_compile
     from spmd_compiler.side_effects import SideEffectError
 
@@ -114,60 +117,71 @@ def scheduler_job(how: str) -> dict:
         assert scheduler.last_epoch >= 0
         return _plain_step(model, opt, batch)
 
-    extra = () if how == "closure" else (sched,)
-    out = {}
-    if how != "read":
-        step = spmd_compile(DataParallel("replicate"))(
-            inside_closure if how == "closure" else inside_argument)
+    def first_thing(model, opt, batch):
+        sched.step()
+        return _plain_step(model, opt, batch)
+
+    out = {"error": None}
+    if how == "before":
         try:
-            step(model, opt, _batch(0), *extra)
-            out["error"] = None
+            spmd_compile(DataParallel("replicate"))(first_thing)(model, opt, _batch(0))
         except SideEffectError as e:
             out["error"] = str(e)
         out["left alone"] = (sched.last_epoch, sched.get_last_lr(), opt.param_groups[0]["lr"])
-    step = spmd_compile(DataParallel("replicate"))(reads_argument if how == "read" else _plain_step)
+        return out
+    fn = {"closure": inside_closure, "argument": inside_argument, "read": reads_argument}[how]
+    step = spmd_compile(DataParallel("replicate"))(fn)
     check = ParityChecker(RTOL, ATOL)
     for i in range(STEPS):
-        step(model, opt, _batch(i), *((sched,) if how == "read" else ()))
-        sched.step()
+        step(model, opt, _batch(i), *(() if how == "closure" else (sched,)))
+        if how == "read":
+            sched.step()
         _plain_step(ref, ref_opt, _batch(i))
         ref_sched.step()
         _compare(check, model, opt, ref, ref_opt, f"step {i}")
     out["problems"] = check.problems
-    out["lr"] = opt.param_groups[0]["lr"]
+    # (momentum SGD compiles twice: its first call creates the momentum buffers)
+    out["lr"] = (opt.param_groups[0]["lr"], sched.last_epoch, step.compile_count)
     return out
 
 
-def test_scheduler_stepped_inside_the_step_raises_naming_it(pool2):
-    for how, line in (("closure", "sched.step()"), ("argument", "scheduler.step()")):
-        for rank, res in enumerate(pool2.run(scheduler_job, how)):
-            assert res["error"] is not None, f"{how}: no error on rank {rank}"
-            assert "StepLR" in res["error"] and line in res["error"], res["error"]
-            assert "param_groups[0]['lr']" in res["error"], res["error"]
-            assert "outside the compiled step" in res["error"], res["error"]
-            assert res["left alone"] == (0, [0.1], 0.1), res["left alone"]
-            assert not res["problems"], res["problems"]
-            assert res["lr"] == 0.1 * 0.5 ** STEPS
+def test_scheduler_stepped_inside_the_step_matches_ddp(pool2):
+    for how in ("closure", "argument"):
+        for res in pool2.run(scheduler_job, how):
+            assert not res["problems"], (how, res["problems"])
+            assert res["lr"] == (0.1 * 0.5 ** STEPS, STEPS, 2), (how, res["lr"])
 
 
 def test_scheduler_passed_and_read_is_no_rank_disagreement(pool2):
     for res in pool2.run(scheduler_job, "read"):
         assert not res["problems"], res["problems"]
-        assert res["lr"] == 0.1 * 0.5 ** STEPS
+        assert res["lr"] == (0.1 * 0.5 ** STEPS, STEPS, 2), res["lr"]
+
+
+def test_scheduler_stepped_before_the_tensor_work_raises_naming_it(pool2):
+    for res in pool2.run(scheduler_job, "before"):
+        assert res["error"] is not None
+        assert "StepLR" in res["error"] and "sched.step()" in res["error"], res["error"]
+        assert "comes before the step's last tensor operation" in res["error"], res["error"]
+        assert res["left alone"] == (0, [0.1], 0.1), res["left alone"]
 
 
 def assignments_job() -> dict:
+    """An attribute and a global counted up at the end of the step count on every call; a
+    hyperparameter set at its start raises and is left alone."""
     from spmd_compiler import DataParallel, spmd_compile
     from spmd_compiler.side_effects import SideEffectError
 
     def counts_calls(model, opt, batch):
+        loss = _plain_step(model, opt, batch)
         model.calls += 1
-        return _plain_step(model, opt, batch)
+        return loss
 
     def counts_globally(model, opt, batch):
         global COUNTER
+        loss = _plain_step(model, opt, batch)
         COUNTER += 1
-        return _plain_step(model, opt, batch)
+        return loss
 
     def sets_hyperparameter(model, opt, batch):
         opt.param_groups[0]["weight_decay"] = 0.1
@@ -178,25 +192,25 @@ def assignments_job() -> dict:
         torch.manual_seed(0)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = spmd_compile(DataParallel("replicate"))(fn)
+        out[fn.__name__] = None
         try:
-            spmd_compile(DataParallel("replicate"))(fn)(model, opt, _batch(0))
-            out[fn.__name__] = None
+            for i in range(3):
+                step(model, opt, _batch(i))
         except SideEffectError as e:
             out[fn.__name__] = str(e)
         out[fn.__name__ + " left"] = (model.calls, COUNTER, opt.param_groups[0]["weight_decay"])
     return out
 
 
-def test_attribute_global_and_param_group_assignments_raise(pool2):
+def test_counters_count_and_a_hyperparameter_set_first_raises(pool2):
     for res in pool2.run(assignments_job):
-        assert "attribute 'calls' of module '<root>' (Net)" in res["counts_calls"]
-        assert "model.calls += 1" in res["counts_calls"]
-        assert "global 'COUNTER'" in res["counts_globally"]
-        assert "COUNTER += 1" in res["counts_globally"]
-        assert "param_groups[0]['weight_decay']" in res["sets_hyperparameter"]
-        assert 'opt.param_groups[0]["weight_decay"] = 0.1' in res["sets_hyperparameter"]
-        for name in ("counts_calls", "counts_globally", "sets_hyperparameter"):
-            assert res[name + " left"] == (0, 0, 0.0), (name, res[name + " left"])
+        assert res["counts_calls"] is None and res["counts_calls left"] == (3, 0, 0.0), res
+        assert res["counts_globally"] is None and res["counts_globally left"] == (0, 3, 0.0), res
+        error = res["sets_hyperparameter"]
+        assert "param_groups[0]['weight_decay']" in error, error
+        assert 'opt.param_groups[0]["weight_decay"] = 0.1' in error, error
+        assert res["sets_hyperparameter left"] == (0, 3, 0.0), res
 
 
 # --------------------------------------------------------------------------------------------------
