@@ -11,9 +11,9 @@ snapshots, before the step's code runs, the Python state the step can change:
   the learning rates bound to the recording's symbols);
 - the attributes of the model's modules (``training`` aside: ``model.train()`` in the step does
   the same on every call);
-- plain Python objects the step reaches (an LR scheduler, a user's own objects): its non-tensor
-  arguments, its closure variables, the globals its code names, and the plain objects among
-  their attributes (a trainer's scheduler); containers among their attributes are compared one
+- plain Python objects the step reaches (an LR scheduler, a user's own objects) and lists, dicts
+  and sets: its non-tensor arguments, its closure variables, the globals its code names, and the
+  plain objects among their attributes (a trainer's scheduler); containers are compared one
   level deep (a list appended to);
 - the globals the step's code assigns (``global step_count``).
 
@@ -196,15 +196,23 @@ def _reach(fn: Callable, constants: list[tuple[str, Any]]) -> list[tuple[str, st
                   if n in fn.__globals__]
     out, seen = [], set()
     for label, var, obj in roots:
-        if not _plain_object(obj) or id(obj) in seen:
+        if not (_plain_object(obj) or type(obj) in _CONTAINERS) or id(obj) in seen:
             continue
         seen.add(id(obj))
         out.append((label, var, obj))
-        for attr, value in list(vars(obj).items()):
+        for attr, value in list(_attrs(obj).items()):
             if _plain_object(value) and id(value) not in seen and len(out) < _MAX_OBJECTS:
                 seen.add(id(value))
                 out.append((f"{label}.{attr}", var, value))
     return out[:_MAX_OBJECTS]
+
+
+_CONTAINERS = (list, dict, set)
+
+
+def _attrs(obj: Any) -> dict:
+    """What is compared of a watched object: its attributes; a list's, dict's or set's contents."""
+    return {"contents": obj} if type(obj) in _CONTAINERS else vars(obj)
 
 
 def _use_line(fn: Callable, var: str | None) -> int | None:
@@ -265,7 +273,7 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
         opt.param_groups[:] = [_RecordingGroup(g, where=where) for g in opt.param_groups]
         snap.groups.append((k, [_state(g) for g in opt.param_groups]))
     snap.modules = [(name, m, _state(m.__dict__)) for name, m in module.named_modules()]
-    snap.objects = [(label, var, obj, _state(vars(obj))) for label, var, obj in _reach(fn, constants)]
+    snap.objects = [(label, var, obj, _state(_attrs(obj))) for label, var, obj in _reach(fn, constants)]
     assigned = _stores(fn, "STORE_GLOBAL")
     snap.globals = {n: fn.__globals__.get(n, _MISSING) for n in assigned}
     changes: list[Change] = []
@@ -318,11 +326,12 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str
                         _line(type(m).forward, forward[a]) if a in forward else
                         _line(fn, stores.get(a))) for a in changed]
     for label, var, obj, before in snap.objects:
-        changed = _diff(before, vars(obj))
+        changed = _diff(before, _attrs(obj))
         if changed:
             line = next((stores[a] for a in changed if a in stores), _use_line(fn, var))
-            out.append(Change(f"{type(obj).__name__} object ({label}): attribute(s) "
-                               f"{', '.join(map(str, changed))}", _line(fn, line)))
+            what = f"the contents of a {type(obj).__name__} ({label})" if type(obj) in _CONTAINERS \
+                else f"{type(obj).__name__} object ({label}): attribute(s) {', '.join(map(str, changed))}"
+            out.append(Change(what, _line(fn, line)))
     for n, line in assigned.items():
         if not _same(snap.globals[n], fn.__globals__.get(n, _MISSING)):
             out.append(Change(f"global {n!r}", _line(fn, line)))
@@ -342,7 +351,7 @@ def _line(fn: Callable, lineno: int | None) -> str | None:
 def _restore(snap: _Snapshot, fn: Callable) -> None:
     """Put the watched modules, objects and assigned globals back as they were."""
     for *_, obj, before in snap.modules + snap.objects:
-        _put_back(obj.__dict__, before)
+        _put_back(_attrs(obj) if type(obj) in _CONTAINERS else obj.__dict__, before)
     for n, value in snap.globals.items():
         if value is _MISSING:
             fn.__globals__.pop(n, None)

@@ -36,6 +36,7 @@ from tests.multirank import ParityChecker, rank_data
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4
 COUNTER = 0
+HISTORY: list = []
 
 
 class Net(nn.Module):
@@ -183,12 +184,22 @@ def assignments_job() -> dict:
         COUNTER += 1
         return loss
 
+    def keeps_history(model, opt, batch):
+        loss = _plain_step(model, opt, batch)
+        HISTORY.append(len(HISTORY))
+        return loss
+
+    def logs_losses(model, opt, batch):
+        loss = _plain_step(model, opt, batch)
+        HISTORY.append(loss.item())
+        return loss
+
     def sets_hyperparameter(model, opt, batch):
         opt.param_groups[0]["weight_decay"] = 0.1
         return _plain_step(model, opt, batch)
 
     out = {}
-    for fn in (counts_calls, counts_globally, sets_hyperparameter):
+    for fn in (counts_calls, counts_globally, keeps_history, logs_losses, sets_hyperparameter):
         torch.manual_seed(0)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -199,18 +210,24 @@ def assignments_job() -> dict:
                 step(model, opt, _batch(i))
         except SideEffectError as e:
             out[fn.__name__] = str(e)
-        out[fn.__name__ + " left"] = (model.calls, COUNTER, opt.param_groups[0]["weight_decay"])
+        out[fn.__name__ + " left"] = (model.calls, COUNTER, opt.param_groups[0]["weight_decay"],
+                                      list(HISTORY))
     return out
 
 
 def test_counters_count_and_a_hyperparameter_set_first_raises(pool2):
     for res in pool2.run(assignments_job):
-        assert res["counts_calls"] is None and res["counts_calls left"] == (3, 0, 0.0), res
-        assert res["counts_globally"] is None and res["counts_globally left"] == (0, 3, 0.0), res
+        assert res["counts_calls"] is None and res["counts_calls left"] == (3, 0, 0.0, []), res
+        assert res["counts_globally"] is None and res["counts_globally left"] == (0, 3, 0.0, []), res
+        assert res["keeps_history"] is None and res["keeps_history left"][3] == [0, 1, 2], res
+        error = res["logs_losses"]
+        assert "the contents of a list (global 'HISTORY')" in error, error
+        assert "HISTORY.append(loss.item())" in error and "uses ['loss']" in error, error
+        assert res["logs_losses left"][3] == [0, 1, 2], res
         error = res["sets_hyperparameter"]
         assert "param_groups[0]['weight_decay']" in error, error
         assert 'opt.param_groups[0]["weight_decay"] = 0.1' in error, error
-        assert res["sets_hyperparameter left"] == (0, 3, 0.0), res
+        assert res["sets_hyperparameter left"] == (0, 3, 0.0, [0, 1, 2]), res
 
 
 # --------------------------------------------------------------------------------------------------
