@@ -405,8 +405,7 @@ class CompiledStep:
                       dynamic: dict[int, tuple[int, ...]] | None, why: list[str]):
         """Trace, analyze, expand, optimize and lower the step; touches no live state."""
         if self._last_key is not None and key is not None:
-            _info("spmd_compiler: recompiling %s (%s): %s", self.__name__,
-                  compile_log.reason(self._last_key, key), _why(self._last_key, key))
+            _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
         if why:
             _info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         fully_shard = self.parallel_mode.parallel_style in SHARDED_STYLES
