@@ -20,10 +20,11 @@ snapshots, before the step's code runs, the Python state the step can change:
 After the step's code has run it compares, and puts the state back as it was (a change made with
 the recording's stand-ins must not stay). The changes go to spmd_compiler/replay.py, which runs
 the statements that made them again after every call, or raises a :class:`SideEffectError` that
-names what changed, the user's line and why it cannot (a failed compile changes nothing). One exception: a module that
-changed a tensor attribute is caching something made from its inputs (a rotary embedding's
-cos/sin table and its length): its attributes are put back silently, and the model, eager or
-compiled, recomputes the cache (a traced tensor must not stay on the model).
+names what changed, the user's line and why it cannot (a failed compile changes nothing). One
+exception: a module that changed a tensor attribute is caching something made from its inputs (a
+rotary embedding's cos/sin table and its length): its attributes are put back silently and are
+not a change, and the model, eager or compiled, recomputes the cache (a traced tensor must not
+stay on the model).
 
 Reading a tensor's value (``loss.item()``, ``float(t)``) in the step to print or log it shows a
 symbol, once. :func:`value_read_line` finds where such a read happens in the user's code (reads
@@ -84,7 +85,8 @@ class _Snapshot:
     """The watched state before the step's code ran."""
 
     groups: list[tuple[int, list[dict]]] = field(default_factory=list)  # (optimizer, groups)
-    objects: list[tuple[str, str | None, Any, dict]] = field(default_factory=list)  # (label, variable, obj, __dict__)
+    # (label, variable name, object, its attributes)
+    objects: list[tuple[str, str | None, Any, dict]] = field(default_factory=list)
     modules: list[tuple[str, torch.nn.Module, dict]] = field(default_factory=list)
     globals: dict[str, Any] = field(default_factory=dict)  # assigned global -> value or _MISSING
 

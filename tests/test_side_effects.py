@@ -87,6 +87,15 @@ def _compare(check, model, opt, ref, ref_opt, where):
         check.close("param", f"{where} lr", g["lr"], rg["lr"])
 
 
+def _train_both(step, model, opt, ref, ref_opt, steps, check=None, what="step"):
+    """Run the compiled ``step`` and DDP on the same batches; compare after each when ``check``."""
+    for i in steps:
+        step(model, opt, _batch(i))
+        _plain_step(ref, ref_opt, _batch(i))
+        if check is not None:
+            _compare(check, model, opt, ref, ref_opt, f"{what} {i}")
+
+
 # --------------------------------------------------------------------------------------------------
 # Python state changed inside the step
 
@@ -282,10 +291,7 @@ def nanogpt_checkpoint_job(path: str) -> dict:
 
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1)  # noqa: E731
     model, opt, ref, ref_opt = _models(adamw)
-    step = spmd_compile(DataParallel("replicate"))(_plain_step)
-    for i in range(3):
-        step(model, opt, _batch(i))
-        _plain_step(ref, ref_opt, _batch(i))
+    _train_both(spmd_compile(DataParallel("replicate"))(_plain_step), model, opt, ref, ref_opt, range(3))
     out = {"types": sorted({type(v).__name__ for v in model.state_dict().values()} |
                            {type(v).__name__ for st in opt.state_dict()["state"].values()
                             for v in st.values()})}
@@ -298,12 +304,9 @@ def nanogpt_checkpoint_job(path: str) -> dict:
     model2.load_state_dict(ckpt["model"])
     opt2 = adamw(model2)
     opt2.load_state_dict(ckpt["optimizer"])
-    step2 = spmd_compile(DataParallel("replicate"))(_plain_step)
     check = ParityChecker(RTOL, ATOL)
-    for i in range(3, 6):
-        step2(model2, opt2, _batch(i))
-        _plain_step(ref, ref_opt, _batch(i))
-        _compare(check, model2, opt2, ref, ref_opt, f"resumed step {i}")
+    _train_both(spmd_compile(DataParallel("replicate"))(_plain_step), model2, opt2, ref, ref_opt,
+                range(3, 6), check, "resumed step")
     out["problems"] = check.problems
     return out
 
@@ -328,10 +331,7 @@ def full_state_dict_job() -> dict:
 
     adam = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)  # noqa: E731
     model, opt, ref, ref_opt = _models(adam)
-    step = spmd_compile(DataParallel("fully_shard"))(_plain_step)
-    for i in range(3):
-        step(model, opt, _batch(i))
-        _plain_step(ref, ref_opt, _batch(i))
+    _train_both(spmd_compile(DataParallel("fully_shard"))(_plain_step), model, opt, ref, ref_opt, range(3))
     full = StateDictOptions(full_state_dict=True)
     msd = get_model_state_dict(model, options=full)
     osd = get_optimizer_state_dict(model, opt, options=full)
@@ -347,11 +347,8 @@ def full_state_dict_job() -> dict:
     model2 = Net()
     opt2 = adam(model2)
     set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd, options=full)
-    step2 = spmd_compile(DataParallel("fully_shard"))(_plain_step)
-    for i in range(3, 6):
-        step2(model2, opt2, _batch(i))
-        _plain_step(ref, ref_opt, _batch(i))
-        _compare(check, model2, opt2, ref, ref_opt, f"resumed step {i}")
+    _train_both(spmd_compile(DataParallel("fully_shard"))(_plain_step), model2, opt2, ref, ref_opt,
+                range(3, 6), check, "resumed step")
     out["problems"] = check.problems
     return out
 
@@ -372,10 +369,7 @@ def mixed_state_job(style: str) -> dict:
 
     adam = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)  # noqa: E731
     model, opt, ref, ref_opt = _models(adam)
-    step = spmd_compile(DataParallel(style))(_plain_step)
-    for i in range(2):
-        step(model, opt, _batch(i))
-        _plain_step(ref, ref_opt, _batch(i))
+    _train_both(spmd_compile(DataParallel(style))(_plain_step), model, opt, ref, ref_opt, range(2))
     check = ParityChecker(RTOL, ATOL)
     # a fresh plain model with the full parameters, and the old optimizer's DTensor state
     msd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -385,16 +379,10 @@ def mixed_state_job(style: str) -> dict:
     opt2 = adam(model2)
     opt2.load_state_dict(opt.state_dict())  # DTensors under fully_shard, plain under replicate
     step2 = spmd_compile(DataParallel(style))(_plain_step)
-    for i in range(2, 4):
-        step2(model2, opt2, _batch(i))
-        _plain_step(ref, ref_opt, _batch(i))
-        _compare(check, model2, opt2, ref, ref_opt, f"fresh model, step {i}")
+    _train_both(step2, model2, opt2, ref, ref_opt, range(2, 4), check, "fresh model, step")
     # a DDP optimizer's (plain) state loaded into the placed optimizer of the compiled model2
     opt2.load_state_dict(deepcopy(ref_opt.state_dict()))
-    for i in range(4, 6):
-        step2(model2, opt2, _batch(i))
-        _plain_step(ref, ref_opt, _batch(i))
-        _compare(check, model2, opt2, ref, ref_opt, f"plain state loaded, step {i}")
+    _train_both(step2, model2, opt2, ref, ref_opt, range(4, 6), check, "plain state loaded, step")
     return {"problems": check.problems}
 
 
