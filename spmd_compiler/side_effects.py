@@ -21,10 +21,10 @@ After the step's code has run it compares, and puts the state back as it was (a 
 the recording's stand-ins must not stay). The changes go to spmd_compiler/replay.py, which runs
 the statements that made them again after every call, or raises a :class:`SideEffectError` that
 names what changed, the user's line and why it cannot (a failed compile changes nothing). One
-exception: a module that changed a tensor attribute is caching something made from its inputs (a
-rotary embedding's cos/sin table and its length): its attributes are put back silently and are
-not a change, and the model, eager or compiled, recomputes the cache (a traced tensor must not
-stay on the model).
+exception: a module that changed an attribute holding tensors is caching something made from its
+inputs or parameters (a rotary embedding's cos/sin table and its length, an RNN's flat weights):
+its attributes are put back silently and are not a change, and the model, eager or compiled,
+recomputes the cache (a traced tensor must not stay on the model).
 
 Reading a tensor's value (``loss.item()``, ``float(t)``) in the step to print or log it shows a
 symbol, once. :func:`value_read_line` finds where such a read happens in the user's code (reads
@@ -301,6 +301,14 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
         into.extend(changes)
 
 
+def _holds_tensor(v: Any) -> bool:
+    """A tensor, or a list, tuple or dict with one (an RNN's ``_flat_weights``)."""
+    if isinstance(v, dict):
+        v = list(v.values())
+    return isinstance(v, torch.Tensor) or (
+        isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v))
+
+
 def _diff(before: dict, now: dict) -> list[str]:
     keys = [k for k in now if k not in _SKIPPED_ATTRS]
     changed = [k for k in keys if k not in before or not _same(before[k][1], _copy(now[k]))]
@@ -320,7 +328,7 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str
     stores = _stores(fn, "STORE_ATTR")
     for name, m, before in snap.modules:
         changed = _diff(before, m.__dict__)
-        if any(isinstance(m.__dict__.get(a), torch.Tensor) for a in changed):
+        if any(_holds_tensor(m.__dict__.get(a)) for a in changed):
             _put_back(m.__dict__, before)  # a cache of tensors made from the inputs
             continue
         forward = _stores(type(m).forward, "STORE_ATTR")
