@@ -519,8 +519,11 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
         dims = [("explain", world_size or 2)]
     sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
                          step.parallel_mode.dynamic_dims)
-    gm, _, _, seconds, runnable = step._build(sa, dims, None)
-    summary = summarize(gm, compile_times=seconds,
+    gm, traced, _, seconds, runnable = step._build(sa, dims, None)
+    created = sorted({k for _, k in traced.new_state_keys})
+    notes = {"optimizer state": f"0 B so far: the optimizer creates its state ({', '.join(created)}) "
+             f"on its first step; the step then compiles once more with it"} if created else None
+    summary = summarize(gm, compile_times=seconds, notes=notes,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:
         write_summary(summary, step.dump_dir)

@@ -875,10 +875,6 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         elif role == Role.OPT_STATE:
             persistent["optimizer state"] += nbytes
     persistent_bytes = {k: persistent[k] for k in ("params", "grads", "buffers", "optimizer state")}
-    if not persistent_bytes["optimizer state"]:  # e.g. a fresh Adam: its state is made on step 1
-        persistent_bytes["optimizer state (none yet: Adam-like optimizers create it on their "
-                         "first step, and the step compiles once more)"] = persistent_bytes.pop(
-                             "optimizer state")
     persistent_bytes["total persistent"] = sum(persistent_bytes.values())
     peak, peak_node = estimate_peak_memory(lowered if lowered is not None else gm, sizer)
     workspace_bytes = sum(sizer.nbytes(n.meta.get("val"))[0] for n in
