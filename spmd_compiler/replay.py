@@ -24,7 +24,7 @@ import functools
 import inspect
 import re
 import textwrap
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.utils._pytree as pytree

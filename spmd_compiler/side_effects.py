@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dis
-import logging
 import os
 import re
 import sys
@@ -49,7 +48,6 @@ import torch
 
 from .errors import SPMDError
 
-log = logging.getLogger("spmd_compiler")
 
 _SCALARS = (int, float, complex, str, bytes, bool, type(None))
 _SKIPPED_ATTRS = {"training", "_parameters", "_buffers", "_modules", "params"}

@@ -21,7 +21,6 @@ DDP is the reference, different data on every rank, tolerances rtol 1e-5 / atol 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from copy import deepcopy
 
