@@ -419,9 +419,11 @@ def warn_value_reads(lines: list[str]) -> None:
     if dist.is_initialized() and dist.get_rank() != 0 and not os.environ.get("SPMD_LOG_ALL_RANKS"):
         return
     for line in dict.fromkeys(lines):
-        warnings.warn(ValueReadWarning(
+        warning = ValueReadWarning(
             f"spmd_compiler: the step reads a tensor's value in Python at {line}. This runs "
             f"only while the step is compiled (a print or log there shows a symbol such as "
             f"'zuf0', once); the compiled step does not run it on later calls. Return the tensor "
             f"from the step and read it after the call: `loss = train_step(...); "
-            f"print(loss.item())`."), stacklevel=2)
+            f"print(loss.item())`.")
+        where = Change("", line).where  # shown at the user's line, as a warning of their code
+        warnings.warn_explicit(warning, ValueReadWarning, *(where or ("<unknown>", 0)))
