@@ -99,7 +99,7 @@ def _train_both(step, model, opt, ref, ref_opt, steps, check=None, what="step"):
 # Python state changed inside the step
 
 
-def scheduler_job(how: str) -> dict:
+def scheduler_job(how: str, style: str = "replicate") -> dict:
     """A scheduler stepped inside the step (through a closure, or passed as an argument) keeps
     working as in eager PyTorch: the learning rate and the parameters match DDP's with the
     scheduler stepped at the end of its eager step. Passed and only read, it is no cause for a
@@ -139,7 +139,7 @@ def scheduler_job(how: str) -> dict:
         out["left alone"] = (sched.last_epoch, sched.get_last_lr(), opt.param_groups[0]["lr"])
         return out
     fn = {"closure": inside_closure, "argument": inside_argument, "read": reads_argument}[how]
-    step = spmd_compile(DataParallel("replicate"))(fn)
+    step = spmd_compile(DataParallel(style))(fn)
     check = ParityChecker(RTOL, ATOL)
     for i in range(STEPS):
         step(model, opt, _batch(i), *(() if how == "closure" else (sched,)))
@@ -155,8 +155,8 @@ def scheduler_job(how: str) -> dict:
 
 
 def test_scheduler_stepped_inside_the_step_matches_ddp(pool2):
-    for how in ("closure", "argument"):
-        for res in pool2.run(scheduler_job, how):
+    for how, style in (("closure", "replicate"), ("argument", "replicate"), ("closure", "fully_shard")):
+        for res in pool2.run(scheduler_job, how, style):
             assert not res["problems"], (how, res["problems"])
             assert res["lr"] == (0.1 * 0.5 ** STEPS, STEPS, 2), (how, res["lr"])
 
