@@ -577,8 +577,9 @@ class CompiledGraph:
         state_of = {}
         for opt in sa.optimizers:
             for p, st in opt.state.items():
-                for k, v in st.items():  # loaded state: placed like its parameter
-                    st[k] = placed_state(v, p, mesh)
+                for k, v in st.items():  # re-padded (sharded), or loaded plain: placed
+                    if sig.sharded_states or (type(v) is torch.Tensor and v.dim()):
+                        st[k] = placed_state(v, p, mesh)
                 state_of[id(p)] = st
         flat += [local_buffer(state_of[id(params[n])][k]) for n, k in sig.states]
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
