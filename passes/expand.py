@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from . import meta
 from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
@@ -171,3 +171,48 @@ def mesh_dim_of(gm: fx.GraphModule, collective: fx.Node) -> int | None:
     names = gm.meta.get(meta.MESH_DIMS) or []
     group = collective.args[-1] if collective.args else None
     return names.index(group) if group in names else None
+
+
+def expand_replicate(
+    gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True,
+    reduce_dtype: torch.dtype | None = None, divide_after_sum: bool = False,
+    sync_grads: bool = True,
+) -> fx.GraphModule:
+    """The replicate layout (``Replicate()`` on a 1-D mesh) of passes/expand.py's expansion.
+
+    Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
+    (DDP divides before it sums); every later use of the gradient reads the averaged value
+    (the wait node, marked SYNCED_GRAD). With ``reduce_dtype`` (mixed precision) a gradient of
+    another dtype is cast to it before the division and back after the wait (the cast back is
+    then the SYNCED_GRAD node). With ``divide_after_sum`` the sum is divided instead (FSDP2's
+    order: ``ReduceOp.AVG``). ``sync_grads=False`` (a step that only accumulates gradients)
+    inserts no gradient collective.
+    With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
+    of the step (DDP's default), in one collective. Collective nodes get ROLE=COLLECTIVE and
+    COLLECTIVE meta.
+    """
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Replicate())],
+                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+                                divide_after_sum=divide_after_sum, sync_grads=sync_grads)
+
+
+def expand_fully_shard(
+    gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
+    broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
+    divide_after_sum: bool = False, sync_grads: bool = True,
+    accumulate_cap_bytes: int | None = None,
+) -> fx.GraphModule:
+    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
+
+    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
+    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
+    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
+    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
+    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
+    Mixed precision, the division's order, accumulation: see ``expand_data_parallel``.
+    """
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
+                                reshard_after_forward=reshard_after_forward,
+                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+                                divide_after_sum=divide_after_sum, sync_grads=sync_grads,
+                                accumulate_cap_bytes=accumulate_cap_bytes)

@@ -97,30 +97,6 @@ def _forward_chain(full: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def expand_fully_shard(
-    gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
-    broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
-    divide_after_sum: bool = False, sync_grads: bool = True,
-    accumulate_cap_bytes: int | None = None,
-) -> fx.GraphModule:
-    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
-
-    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
-    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
-    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
-    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
-    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
-    Mixed precision, the division's order, accumulation: see ``expand_data_parallel``.
-    """
-    from .expand import MeshDim, expand_data_parallel
-
-    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
-                                reshard_after_forward=reshard_after_forward,
-                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
-                                divide_after_sum=divide_after_sum, sync_grads=sync_grads,
-                                accumulate_cap_bytes=accumulate_cap_bytes)
-
-
 def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
                      reshard_after_forward: bool = True) -> dict[str, tuple[fx.Node, torch.Tensor]]:
     """Make the parameters dim-0 shards over ``group_name``; return the sharded ones

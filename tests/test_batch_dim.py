@@ -466,7 +466,7 @@ def test_functional_collectives_after_expansion():
     """all_reduce makes Partial gradients Replicate, so the optimizer region is Replicate."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from spmd_compiler.passes.replicate import expand_replicate
+    from spmd_compiler.passes.expand import expand_replicate
 
     model = SimpleMLP()
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -512,7 +512,7 @@ def test_fully_shard_expanded_graph(make_optim):
     of squares until its all_reduce."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from spmd_compiler.passes.fully_shard import expand_fully_shard
+    from spmd_compiler.passes.expand import expand_fully_shard
 
     model = SimpleMLP()
     gm = trace_step(clip_step, (model, make_optim(model.parameters()),
@@ -552,7 +552,7 @@ def test_fully_shard_expanded_graph(make_optim):
 def _fully_shard_graph(step, model, optim):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from spmd_compiler.passes.fully_shard import expand_fully_shard
+    from spmd_compiler.passes.expand import expand_fully_shard
 
     gm = trace_step(step, (model, optim, (torch.randn(8, 50), torch.randn(8, 8))), {},
                     input_batch_dim=0).gm
