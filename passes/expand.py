@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from . import meta
 from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
 from .fully_shard import (
-    LOGICAL_SHAPE, ShardingError, micro_batch_parts, padded_gradient, reduce_optimizer_partials,
+    ShardingError, micro_batch_parts, padded_gradient, reduce_optimizer_partials,
     reduce_scatter_parts, shard_parameters, shard_val,
 )
 from .replicate import broadcast_buffers_from_rank0
@@ -60,7 +60,8 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
     reduced dim by dim from the innermost: ``reduce_scatter`` on the shard dim for a sharded
     parameter, ``all_reduce`` on every other dim (the last wait marked SYNCED_GRAD, read by
     every later use); the optimizer's reductions over shards completed on the shard dim;
-    ``gm.meta[MESH_DIMS]``: the group names by mesh dim.
+    ``gm.meta[MESH_DIMS]``: the group names by mesh dim. LOGICAL_SHAPE is used meanwhile and
+    removed.
 
     With ``reduce_dtype`` (mixed precision) a gradient of another dtype is cast to it before the
     division and back after the last reduction. With ``divide_after_sum`` the reduced sum is
@@ -95,6 +96,8 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
     gm.recompile()
     if shard:
         reduce_optimizer_partials(gm, shard[0].group_name, shard[0].size)
+    for node in graph.nodes:  # the expansion's own bookkeeping
+        node.meta.pop(meta.LOGICAL_SHAPE, None)
     gm.meta[meta.MESH_DIMS] = [d.group_name for d in layout]
     return gm
 
@@ -148,16 +151,16 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
                         val=shard_val(reduced_val, d.size), region=region, kind="reduce_scatter",
                         params=[fqn])
                     x.meta[meta.PLACEMENT] = Shard(0)
-                    x.meta[LOGICAL_SHAPE] = tuple(val.shape)
+                    x.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
                 else:
                     summed = insert_collective(
                         graph, c10d.all_reduce.default, (x, "sum", d.group_name),
                         val=x.meta["val"], region=region, kind="all_reduce", params=[fqn])
-                    for key in (meta.PLACEMENT, LOGICAL_SHAPE):  # a shard stays a shard
+                    for key in (meta.PLACEMENT, meta.LOGICAL_SHAPE):  # a shard stays a shard
                         if key in x.meta:
                             summed.meta[key] = x.meta[key]
                     x = summed
-        placed = {key: x.meta[key] for key in (meta.PLACEMENT, LOGICAL_SHAPE) if key in x.meta}
+        placed = {key: x.meta[key] for key in (meta.PLACEMENT, meta.LOGICAL_SHAPE) if key in x.meta}
         x = finish_reduction(graph, x, users, divide_by=ranks if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
         x.meta.update(placed)

@@ -34,7 +34,6 @@ class ShardingError(Exception):
     """The step does something to parameter / optimizer-state shards that sharding would change."""
 
 
-LOGICAL_SHAPE = "spmd_fully_shard_logical_shape"  # private to this pass: a shard's unsharded shape
 
 
 def shard_rows(n: int, world: int) -> int:
@@ -129,7 +128,7 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
         if fqn in param_shapes and role in (meta.Role.PARAM, meta.Role.OPT_STATE) and (
             tuple(val.shape) == param_shapes[fqn]
         ):
-            node.meta[LOGICAL_SHAPE] = tuple(val.shape)
+            node.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
             node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
 
@@ -247,7 +246,7 @@ def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, di
     total = finish_reduction(graph, total, users, divide_by=world if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
     total.meta[meta.PLACEMENT] = Shard(0)
-    total.meta[LOGICAL_SHAPE] = tuple(val.shape)
+    total.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
     total.meta[meta.SYNCED_GRAD] = fqn
     for u in users:
         u.replace_input_with(grad, total)
@@ -283,7 +282,7 @@ def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -
     # Shapes as the unsharded step sees them (node.meta["val"] of optimizer-region nodes still
     # holds those): a shard-derived value keeps its parameter's logical shape.
     sharded: dict[fx.Node, tuple] = {
-        n: n.meta[LOGICAL_SHAPE] for n in graph.nodes if LOGICAL_SHAPE in n.meta
+        n: n.meta[meta.LOGICAL_SHAPE] for n in graph.nodes if meta.LOGICAL_SHAPE in n.meta
     }
     for node in list(graph.nodes):
         if node.meta.get(meta.REGION) != meta.Region.OPTIMIZER or node in sharded:

@@ -164,7 +164,7 @@ def analyze(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Placement propagation (passes/batch_dim.py), its failures raised as SPMDErrors."""
     try:
         return batch_dim.annotate_placements(gm)
-    except batch_dim.BatchDimError as e:
+    except batch_dim.PlacementError as e:
         raise BatchDimError(str(e)) from e
 
 
