@@ -348,7 +348,7 @@ def summary_text(step: CompiledStep) -> str | None:
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
     """The device of the first module or tensor among the arguments (for the error path)."""
-    import torch.utils._pytree as pytree
+    from .torch_internals import pytree
 
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.nn.Module):
