@@ -27,9 +27,9 @@ import textwrap
 from typing import Callable
 
 import torch
-import torch.utils._pytree as pytree
 
 from .side_effects import Change, SideEffectError, message, step_constants, unwrapped, watch
+from .torch_internals import pytree
 
 _FRAME = re.compile(r'File "(.*)", line (\d+), in (\w+)')
 
