@@ -900,12 +900,14 @@ def _flat_norm_line() -> int:
 
 
 @pytest.mark.parametrize("pool, mode", [(2, "replicate")], indirect=["pool"], ids=["replicate-ws2"])
+@pytest.mark.catalogue("flat_grad_norm")
 def test_flat_grad_norm_matches_ddp(pool, mode):
     for rep in _case(pool, "flat_grad_norm", mode):
         assert rep["facts"]["raised"] is None, rep["facts"]["raised"]
 
 
 @pytest.mark.parametrize("pool, mode", [(2, "fully_shard")], indirect=["pool"], ids=["fully_shard-ws2"])
+@pytest.mark.catalogue("flat_grad_norm")
 def test_flat_grad_norm_fully_shard_computes_or_names_the_line(pool, mode):
     for rep in _case(pool, "flat_grad_norm", mode):
         raised = rep["facts"]["raised"]
