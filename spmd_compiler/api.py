@@ -129,8 +129,9 @@ class CompiledStep:
                     pending = start_agreement(CACHED, batch, group, fits, len(self._programs),
                                               running=choice)
                 try:
-                    with torch.no_grad(), agreement_in_flight(pending):
-                        out = self._programs[choice](sa, mesh, hparams, self._kept.grads)
+                    with torch.no_grad(), agreement_in_flight(pending) as agreement:
+                        out = self._programs[choice](sa, mesh, hparams, self._kept.grads,
+                                                     agreement)
                     run_after(self.fn, self._programs[choice].traced.replay, sa)
                     return out
                 except Redispatch as r:
