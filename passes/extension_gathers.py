@@ -71,3 +71,11 @@ def regather_for_backward(graph: fx.Graph) -> None:
         for u in set(readers):
             for old, new in again.items():
                 u.replace_input_with(old, new)
+
+
+def keep_recorded_gathers(graph: fx.Graph, reshard_after_forward: bool) -> None:
+    """Once the GATHERED placeholders are shards: ``take_local_rows``, and with
+    ``reshard_after_forward`` ``regather_for_backward``."""
+    take_local_rows(graph)
+    if reshard_after_forward:
+        regather_for_backward(graph)

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
 from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
-from .extension_gathers import regather_for_backward, take_local_rows
+from .extension_gathers import keep_recorded_gathers
 
 _VIEW_OR_CAST = {
     aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -35,7 +35,6 @@ class ShardingError(Exception):
     """The step does something to parameter / optimizer-state shards that sharding would change."""
 
 
-LOGICAL_SHAPE = "spmd_fully_shard_logical_shape"  # private to this pass: a shard's unsharded shape
 
 
 def shard_rows(n: int, world: int) -> int:
@@ -98,30 +97,6 @@ def _forward_chain(full: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def expand_fully_shard(
-    gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
-    broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
-    divide_after_sum: bool = False, sync_grads: bool = True,
-    accumulate_cap_bytes: int | None = None,
-) -> fx.GraphModule:
-    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
-
-    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
-    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
-    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
-    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
-    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
-    Mixed precision, the division's order, accumulation: see ``expand_data_parallel``.
-    """
-    from .expand import MeshDim, expand_data_parallel
-
-    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
-                                reshard_after_forward=reshard_after_forward,
-                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
-                                divide_after_sum=divide_after_sum, sync_grads=sync_grads,
-                                accumulate_cap_bytes=accumulate_cap_bytes)
-
-
 def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
                      reshard_after_forward: bool = True) -> dict[str, tuple[fx.Node, torch.Tensor]]:
     """Make the parameters dim-0 shards over ``group_name``; return the sharded ones
@@ -140,15 +115,7 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
     graph = gm.graph
     world = world_size
     order = {n: i for i, n in enumerate(graph.nodes)}
-    params, gathered = {}, {}
-    for node in list(graph.nodes):
-        role = node.meta.get(meta.ROLE)
-        val = node.meta.get("val")
-        if role == meta.Role.PARAM and val.dim() > 0:
-            # GATHERED: the step gathers it itself (its all-gather extensions), one placeholder
-            # per inner tensor of a subclass
-            target = gathered if node.meta.get(meta.GATHERED) else params
-            target.setdefault(node.meta[meta.PARAM_FQN], (node, val))
+    params, gathered = _parameters(graph)
     param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in {**params, **gathered}.items()}
     for node in graph.nodes:
         if node.op != "placeholder":
@@ -159,12 +126,10 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
         if fqn in param_shapes and role in (meta.Role.PARAM, meta.Role.OPT_STATE) and (
             tuple(val.shape) == param_shapes[fqn]
         ):
-            node.meta[LOGICAL_SHAPE] = tuple(val.shape)
+            node.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
             node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
-    take_local_rows(graph)
-    if reshard_after_forward:
-        regather_for_backward(graph)
+    keep_recorded_gathers(graph, reshard_after_forward)
 
     for fqn, (param, full_val) in params.items():
         users = list(param.users)
@@ -211,6 +176,18 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
 
     return {**params, **gathered}
 
+
+
+def _parameters(graph: fx.Graph) -> tuple[dict, dict]:
+    """{fqn: (placeholder, val)} of the parameters (not 0-d) to gather, and of the GATHERED ones
+    (gathered by the step itself: all-gather extensions; one placeholder per inner tensor)."""
+    params, gathered = {}, {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.meta.get(meta.ROLE) == meta.Role.PARAM and val.dim() > 0:
+            target = gathered if node.meta.get(meta.GATHERED) else params
+            target.setdefault(node.meta[meta.PARAM_FQN], (node, val))
+    return params, gathered
 
 
 def padded_gradient(graph: fx.Graph, grad: fx.Node, world: int) -> fx.Node:
@@ -284,7 +261,7 @@ def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, di
     total = finish_reduction(graph, total, users, divide_by=divisor if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
     total.meta[meta.PLACEMENT] = Shard(0)
-    total.meta[LOGICAL_SHAPE] = tuple(val.shape)
+    total.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
     total.meta[meta.SYNCED_GRAD] = fqn
     for u in users:
         u.replace_input_with(grad, total)
@@ -320,7 +297,7 @@ def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -
     # Shapes as the unsharded step sees them (node.meta["val"] of optimizer-region nodes still
     # holds those): a shard-derived value keeps its parameter's logical shape.
     sharded: dict[fx.Node, tuple] = {
-        n: n.meta[LOGICAL_SHAPE] for n in graph.nodes if LOGICAL_SHAPE in n.meta
+        n: n.meta[meta.LOGICAL_SHAPE] for n in graph.nodes if meta.LOGICAL_SHAPE in n.meta
     }
     for node in list(graph.nodes):
         if node.meta.get(meta.REGION) != meta.Region.OPTIMIZER or node in sharded:

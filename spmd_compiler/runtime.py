@@ -18,12 +18,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 
+from .torch_internals import dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
@@ -152,7 +152,7 @@ def to_dtensor(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> tuple[DT
 
 def local_buffer(dt: torch.Tensor) -> torch.Tensor:
     """The tensor the graph binds for a placed parameter or state (the padded buffer)."""
-    local = dt._local_tensor if isinstance(dt, DTensor) else dt
+    local = local_tensor(dt) if isinstance(dt, DTensor) else dt
     return getattr(dt, "_spmd_buffer", local)
 
 
@@ -165,7 +165,7 @@ def ensure_padded(t: Any, mesh: DeviceMesh) -> Any:
     if not is_sharded(t) or t.dim() == 0:
         return t
     layout = layout_for(t, True, shard_size(mesh))
-    buffer, local = local_buffer(t), t._local_tensor
+    buffer, local = local_buffer(t), local_tensor(t)
     if tuple(buffer.shape) == layout.padded_shape() and (
         local.numel() == 0 or buffer.data_ptr() == local.data_ptr()
     ):
@@ -179,7 +179,7 @@ def ensure_padded(t: Any, mesh: DeviceMesh) -> Any:
 
 
 def _attach(dt: DTensor, buffer: torch.Tensor) -> DTensor:
-    if buffer is not dt._local_tensor:
+    if buffer is not local_tensor(dt):
         dt._spmd_buffer = buffer
     return dt
 
@@ -213,6 +213,7 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     if not plain:
         _rekey_optimizers(optimizers, seen, mesh)
         return
+    whole_states(optimizers, plain)  # DTensor state of parameters made plain again
     states = [
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
         if isinstance(v, torch.Tensor)
@@ -302,84 +303,114 @@ def materialize_meta(module: torch.nn.Module, mesh: DeviceMesh, fully_shard: boo
     when a module has no ``reset_parameters`` and no ``init_fn`` is given, or an init leaves a
     tensor unwritten.
     """
-    world = shard_size(mesh)
-    modules = list(_post_order(module))
-    own: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> its meta params
-    own_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
-    buffer_owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
-    for sub in modules:
-        own[id(sub)] = [(n, p) for n, p in sub._parameters.items() if p is not None and p.is_meta]
-        own_buffers[id(sub)] = [(n, b) for n, b in sub._buffers.items() if b is not None and b.is_meta]
-        for name, p in own[id(sub)]:
-            owners[id(p)].append((sub, name))
-        for name, b in own_buffers[id(sub)]:
-            buffer_owners[id(b)].append((sub, name))
-    placed: dict[int, torch.nn.Parameter] = {}
-    made_buffers: dict[int, torch.Tensor] = {}
-    generators = _Generators(device)
-    # Sharded parameters are made whole in one scratch buffer reused by every module (the
-    # heap would otherwise fragment between the whole tensors and the shards kept).
-    scratch_bytes = max((sum(_aligned(p) for _, p in own[id(sub)]) for sub in modules), default=0)
-    scratch = torch.empty(scratch_bytes if fully_shard else 0, dtype=torch.uint8, device=device)
+    m = _Materializer(module, mesh, fully_shard, init_fn, device)
     try:
-        with torch.no_grad(), generators.from_rank0(mesh):
-            for sub in modules:
-                if not own[id(sub)] and not own_buffers[id(sub)]:
-                    continue
-                later, first, offset = [], [], 0
-                for name, p in own[id(sub)]:
-                    if fully_shard:
-                        full = scratch[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-                        offset += _aligned(p)
-                    else:
-                        full = torch.empty(p.shape, dtype=p.dtype, device=device)
-                    new = torch.nn.Parameter(_unset(full), requires_grad=p.requires_grad)
-                    if id(p) in placed:  # a later owner: its init writes a copy that is dropped
-                        later.append(name)
-                        sub._parameters[name] = new
-                        continue
-                    first.append((p, new))
-                    for owner, slot in owners[id(p)]:
-                        owner._parameters[slot] = new
-                for name, b in own_buffers[id(sub)]:
-                    if id(b) not in made_buffers:
-                        made_buffers[id(b)] = full = _unset(torch.empty(b.shape, dtype=b.dtype, device=device))
-                        for owner, slot in buffer_owners[id(b)]:
-                            owner._buffers[slot] = full
-                _initialize(sub, init_fn, module)
-                for name in later:
-                    meta_p = next(p for n, p in own[id(sub)] if n == name)
-                    sub._parameters[name] = placed[id(meta_p)]
-                for meta_p, new in first:
-                    if _is_unset(new):
-                        raise InitializationError(
-                            f"{_where(module, sub)}: its initialization left parameter "
-                            f"{_name_in(sub, new)!r} (partly) unwritten; initialize every "
-                            f"parameter in reset_parameters() or pass DataParallel(param_init_fn=...).")
-                    dt, buffer = to_dtensor(new.detach(), layout_for(new, fully_shard, world), mesh)
-                    placed_p = torch.nn.Parameter(_attach(dt, buffer), requires_grad=new.requires_grad)
-                    placed_p._spmd_buffer = buffer
-                    placed[id(meta_p)] = placed_p
-                    for owner, slot in owners[id(meta_p)]:
-                        owner._parameters[slot] = placed_p
-                for name, b in own_buffers[id(sub)]:
-                    if _is_unset(made_buffers[id(b)]):
-                        raise InitializationError(
-                            f"{_where(module, sub)}: its initialization left buffer {name!r} "
-                            f"unwritten (buffers made in __init__ from data are lost on the meta "
-                            f"device); set it in reset_parameters() or in DataParallel(param_init_fn=...).")
+        with torch.no_grad(), _Generators(device).from_rank0(mesh):
+            for sub in m.modules:
+                if m.own[id(sub)] or m.own_buffers[id(sub)]:
+                    m.materialize(sub)
     except BaseException:
-        for sub in modules:  # back to the meta model: nothing half-done
-            for name, p in own[id(sub)]:
-                sub._parameters[name] = p
-            for name, b in own_buffers[id(sub)]:
-                sub._buffers[name] = b
+        m.restore()  # back to the meta model: nothing half-done
         raise
     if not fully_shard:
-        broadcast_from_first([p._local_tensor for p in placed.values()], mesh)
-    broadcast_from_first(list(made_buffers.values()), mesh)
-    return placed
+        broadcast_from_first([local_tensor(p) for p in m.placed.values()], mesh)
+    broadcast_from_first(list(m.made_buffers.values()), mesh)
+    return m.placed
+
+
+class _Materializer:
+    """One ``materialize_meta``: which module owns which meta tensors, and what is made so far."""
+
+    def __init__(self, root: torch.nn.Module, mesh: DeviceMesh, fully_shard: bool, init_fn,
+                 device: torch.device):
+        self.root, self.mesh, self.fully_shard, self.init_fn, self.device = (
+            root, mesh, fully_shard, init_fn, device)
+        self.world = shard_size(mesh)
+        self.modules = list(_post_order(root))
+        self.own: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> its meta params
+        self.own_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
+        self.buffer_owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
+        for sub in self.modules:
+            self.own[id(sub)] = [(n, p) for n, p in sub._parameters.items()
+                                 if p is not None and p.is_meta]
+            self.own_buffers[id(sub)] = [(n, b) for n, b in sub._buffers.items()
+                                         if b is not None and b.is_meta]
+            for name, p in self.own[id(sub)]:
+                self.owners[id(p)].append((sub, name))
+            for name, b in self.own_buffers[id(sub)]:
+                self.buffer_owners[id(b)].append((sub, name))
+        self.placed: dict[int, torch.nn.Parameter] = {}
+        self.made_buffers: dict[int, torch.Tensor] = {}
+        # Sharded parameters are made whole in one scratch buffer reused by every module (the
+        # heap would otherwise fragment between the whole tensors and the shards kept).
+        scratch_bytes = max((sum(_aligned(p) for _, p in self.own[id(sub)]) for sub in self.modules),
+                            default=0)
+        self.scratch = torch.empty(scratch_bytes if fully_shard else 0, dtype=torch.uint8,
+                                   device=device)
+
+    def materialize(self, sub: torch.nn.Module) -> None:
+        """Make ``sub``'s own meta tensors, initialize it, place its parameters."""
+        later, first = self._make_parameters(sub)
+        for name, b in self.own_buffers[id(sub)]:
+            if id(b) not in self.made_buffers:
+                self.made_buffers[id(b)] = full = _unset(
+                    torch.empty(b.shape, dtype=b.dtype, device=self.device))
+                for owner, slot in self.buffer_owners[id(b)]:
+                    owner._buffers[slot] = full
+        _initialize(sub, self.init_fn, self.root)
+        for name in later:
+            meta_p = next(p for n, p in self.own[id(sub)] if n == name)
+            sub._parameters[name] = self.placed[id(meta_p)]
+        for meta_p, new in first:
+            self._place(sub, meta_p, new)
+        for name, b in self.own_buffers[id(sub)]:
+            if _is_unset(self.made_buffers[id(b)]):
+                raise InitializationError(
+                    f"{_where(self.root, sub)}: its initialization left buffer {name!r} "
+                    f"unwritten (buffers made in __init__ from data are lost on the meta "
+                    f"device); set it in reset_parameters() or in DataParallel(param_init_fn=...).")
+
+    def _make_parameters(self, sub: torch.nn.Module):
+        """Full tensors for ``sub``'s meta parameters: (names of those an earlier module
+        placed, whose init output is dropped; (meta, new) of the others)."""
+        later, first, offset = [], [], 0
+        for name, p in self.own[id(sub)]:
+            if self.fully_shard:
+                size = p.numel() * p.element_size()
+                full = self.scratch[offset:offset + size].view(p.dtype).view(p.shape)
+                offset += _aligned(p)
+            else:
+                full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            new = torch.nn.Parameter(_unset(full), requires_grad=p.requires_grad)
+            if id(p) in self.placed:  # a later owner: its init writes a copy that is dropped
+                later.append(name)
+                sub._parameters[name] = new
+                continue
+            first.append((p, new))
+            for owner, slot in self.owners[id(p)]:
+                owner._parameters[slot] = new
+        return later, first
+
+    def _place(self, sub: torch.nn.Module, meta_p: torch.Tensor, new: torch.nn.Parameter) -> None:
+        if _is_unset(new):
+            raise InitializationError(
+                f"{_where(self.root, sub)}: its initialization left parameter "
+                f"{_name_in(sub, new)!r} (partly) unwritten; initialize every "
+                f"parameter in reset_parameters() or pass DataParallel(param_init_fn=...).")
+        dt, buffer = to_dtensor(new.detach(), layout_for(new, self.fully_shard, self.world), self.mesh)
+        placed_p = torch.nn.Parameter(_attach(dt, buffer), requires_grad=new.requires_grad)
+        placed_p._spmd_buffer = buffer
+        self.placed[id(meta_p)] = placed_p
+        for owner, slot in self.owners[id(meta_p)]:
+            owner._parameters[slot] = placed_p
+
+    def restore(self) -> None:
+        for sub in self.modules:
+            for name, p in self.own[id(sub)]:
+                sub._parameters[name] = p
+            for name, b in self.own_buffers[id(sub)]:
+                sub._buffers[name] = b
 
 
 def _aligned(t: torch.Tensor, align: int = 64) -> int:
@@ -446,6 +477,27 @@ def place_state_tensor(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
     return v
 
 
+def placed_state(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
+    """An optimizer state value as the compiled graph binds it: placed like ``param`` (a plain
+    one that arrived by ``load_state_dict``), on its padded buffer when sharded."""
+    if isinstance(v, DTensor):
+        return ensure_padded(v, mesh)
+    if isinstance(v, torch.Tensor) and isinstance(param, DTensor):
+        return place_state_tensor(v, param, mesh)
+    return v
+
+
+def whole_states(optimizers: list[torch.optim.Optimizer], plain: list[torch.Tensor]) -> None:
+    """Make DTensor state of the ``plain`` parameters whole plain tensors (collective for
+    sharded ones: every rank places its state together), so they are placed like the rest."""
+    for opt in optimizers:
+        for p in plain:
+            st = opt.state.get(p, {})
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    st[k] = v.full_tensor() if is_sharded(v) else v._local_tensor
+
+
 def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Wrap a state tensor the compiled graph created (padded local shard or whole) like ``param``."""
     if not isinstance(param, DTensor) or buffer.dim() == 0:
@@ -471,7 +523,7 @@ def grad_like(g: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.T
     if is_sharded(param):
         g = g[: layout_for(param, True, shard_size(mesh)).valid_rows(
             mesh.get_local_rank(shard_dim(mesh)))]
-    return DTensor(g, param._spec, requires_grad=False)
+    return DTensor(g, dtensor_spec(param), requires_grad=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,13 +573,17 @@ class CompiledGraph:
         return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(inputs)}}))
 
     def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
-                 accumulated: dict[str, torch.Tensor] | None = None) -> Any:
+                 accumulated: dict[str, torch.Tensor] | None = None, agreement=None) -> Any:
         """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``.
         ``accumulated`` holds the gradients of a graph that takes (``grads_in``) or returns
-        (``grads_out``) them (spmd_compiler/accumulation.py); updated in place."""
+        (``grads_out``) them (spmd_compiler/accumulation.py); updated in place. ``agreement``:
+        the per-call agreement in flight, for a graph that completes it itself
+        (``checks_ranks_inside``; consistency.agreement_in_flight)."""
         sig = self.traced.signature
         params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
         flat = self._bind(sa, mesh, hparams, accumulated, params)
+        if self.checks_ranks_inside:
+            flat.append(agreement)
         with communication_failures("the compiled step",
                                     "Parameters and optimizer state on this rank may be partly "
                                     "updated by this step."):
@@ -558,9 +614,9 @@ class CompiledGraph:
         state_of = {}
         for opt in sa.optimizers:
             for p, st in opt.state.items():
-                if sig.sharded_states:
-                    for k, v in st.items():
-                        st[k] = ensure_padded(v, mesh)
+                for k, v in st.items():  # re-padded (sharded), or loaded plain: placed
+                    if sig.sharded_states or (type(v) is torch.Tensor and v.dim()):
+                        st[k] = placed_state(v, p, mesh)
                 state_of[id(p)] = st
         flat += [x for n, k in sig.states
                  for x in inner_tensors(local_buffer(state_of[id(params[n])][k]))]

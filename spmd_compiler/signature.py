@@ -62,12 +62,6 @@ class StepSignature:
         return (_width(self.param_flats, len(self.params)), len(self.buffers),
                 _width(self.state_flats, len(self.states)), len(self.hparams))
 
-    @property
-    def num_outputs(self) -> int:
-        return (_width(self.user_flats, self.user_outputs)
-                + _width(self.new_state_flats, len(self.new_states))
-                + len(self.grads_out) + len(self.kept_grads))
-
     def split_outputs(self, outs) -> StepOutputs:
         """The run's flat outputs by kind (a subclass value rebuilt from its inner tensors)."""
         from .subclass_params import unflatten_outputs

@@ -471,3 +471,57 @@ def extension_key(module: torch.nn.Module) -> tuple:
     parameter after a compile make another program)."""
     return tuple(name for name, p in module.named_parameters()
                  if any(hasattr(_local(p), h) for h in HOOKS))
+
+
+@dataclass
+class Recording:
+    """What one recording of the step needs for subclass parameters and all-gather extensions:
+    the flattenings, the hooked parameters, this rank's shard, what the ranks must agree on."""
+
+    unflat: Unflattened
+    hooked: dict[str, Hooks]
+    shard: ShardContext | None
+    described: list = field(default_factory=list)
+    out_flats: tuple = ()
+    new_state_flats: tuple = ()
+
+    @staticmethod
+    def of(named: dict[str, torch.Tensor], states: list, fake_plain, shard) -> tuple:
+        """The Recording and the fakes of ``named`` parameters (placeholder order) and of the
+        ``states`` tensors (one list per tensor, a fake per inner tensor)."""
+        rec = Recording(Unflattened(), hooked_parameters(named, shard is not None), shard)
+        fake_params = []
+        for p in named.values():
+            fakes = rec.unflat.fakes(p, fake_plain)
+            if rec.unflat.flats[-1] is None:  # a subclass's requires_grad goes on the rebuilt one
+                fakes[0].requires_grad_(p.requires_grad)
+            fake_params += fakes
+        fake_states = [f for v in states for f in rec.unflat.fakes(v, fake_plain)]
+        return rec, fake_params, fake_states
+
+    def rebuild(self, params: list, live_params: list, states: list) -> tuple[list, list]:
+        """The recorded parameters and states rebuilt from their placeholders."""
+        n = len(live_params)
+        params = self.unflat.rebuild(params, 0, n)
+        for p, fp, f in zip(live_params, params, self.unflat.flats):
+            if f is not None:
+                fp.requires_grad_(p.requires_grad)
+        return params, self.unflat.rebuild(states, n, len(self.unflat.flats) - n)
+
+    def flatten(self, traced_out: list, new_states: list) -> list:
+        """The graph's plain outputs for the step's tensor outputs and created states."""
+        out, self.out_flats = flatten_outputs(traced_out)
+        states, self.new_state_flats = flatten_outputs(new_states)
+        return out + states
+
+    def signature_fields(self, num_params: int) -> dict:
+        flats = self.unflat.flats
+        return dict(param_flats=tuple(flats[:num_params]), state_flats=tuple(flats[num_params:]),
+                    user_flats=tuple(self.out_flats), new_state_flats=tuple(self.new_state_flats))
+
+
+def per_placeholder(names, flats) -> list:
+    """``names`` repeated once per graph input of each (its inner tensors for a subclass)."""
+    if not flats:
+        return list(names)
+    return [n for n, f in zip(names, flats) for _ in (f.names if f is not None else (None,))]

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
     get_proxy_mode,
     get_proxy_slot,
 )
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+
+from .torch_internals import FakeTensor, TorchDispatchMode, pytree, unset_fake_temporarily
+
+from .side_effects import value_read_line
 
 aten = torch.ops.aten
 
@@ -55,6 +56,7 @@ class ReadConstantValues(TorchDispatchMode):
         super().__init__()
         self.inputs = inputs or {}
         self.used: set[int] = set()
+        self.user_reads: list[str] = []  # user lines reading a value that is not a constant
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,7 +66,10 @@ class ReadConstantValues(TorchDispatchMode):
                 with disable_proxy_modes_tracing(), unset_fake_temporarily():
                     return func(*[self._real_value(a, mode) for a in args], **kwargs)
             except Exception:  # noqa: BLE001 - not a constant, or not replayable here:
-                pass  # the tracer's own handling (its data-dependent error) applies
+                # the tracer's own handling (its data-dependent error) applies
+                line = value_read_line()  # a print or log of it: warned (side_effects.py)
+                if line is not None:
+                    self.user_reads.append(line)
         return func(*args, **kwargs)
 
     def _real_value(self, t, mode):
@@ -160,7 +165,7 @@ def _replay(graph: fx.Graph, target: fx.Node, root: torch.nn.Module,
             raise _Unknown  # a parameter, buffer, state, batch input or a random op
         else:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-            env[n] = n.target(*tree_map(_specialize, args), **tree_map(_specialize, kwargs))
+            env[n] = n.target(*pytree.tree_map(_specialize, args), **pytree.tree_map(_specialize, kwargs))
     return env
 
 

@@ -23,7 +23,6 @@ import graphviz
 import torch
 import torch.fx as fx
 from tabulate import tabulate
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_compiler.passes.memory_plan import lifetimes, workspace
@@ -32,6 +31,8 @@ from spmd_compiler.passes.meta import (
     BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT, REGION, ROLE,
     STATE_KEY, Role,
 )
+
+from .torch_internals import _StridedShard
 
 log = logging.getLogger("spmd_compiler")
 
@@ -850,11 +851,8 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     by_kind: dict[str, CollectiveStat] = {}
     by_bucket: dict[int, BucketStat] = {}
     several_dims = len(gm.meta.get(MESH_DIMS) or ()) > 1
-    gathers = []
     for n in collective_nodes(gm):
         kind = collective_kind(n)
-        if kind.startswith("all_gather") and (n.meta.get(COLLECTIVE) or {}).get("params"):
-            gathers.append(gather_stat(n, sizer))
         if several_dims:  # on a mesh of several dims: which dim it runs on
             kind = f"{kind} (mesh dim {mesh_dim_of(gm, n)})"
         nbytes, symbolic = collective_bytes(n, sizer)
@@ -911,8 +909,15 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         compile_times=dict(compile_times or {}),
         notes={**gm.meta.get(NOTES, {}), **(notes or {})},
         issued_per_call=None if lowered is None else issued_per_call(lowered),
-        gathers=gathers,
+        gathers=parameter_gathers(gm, sizer),
     )
+
+
+def parameter_gathers(gm: fx.GraphModule, sizer: _Sizer) -> list[GatherStat]:
+    """A GatherStat per parameter all_gather of ``gm``."""
+    return [gather_stat(n, sizer) for n in collective_nodes(gm)
+            if collective_kind(n).startswith("all_gather")
+            and (n.meta.get(COLLECTIVE) or {}).get("params")]
 
 
 def gather_stat(node: fx.Node, sizer: _Sizer) -> GatherStat:

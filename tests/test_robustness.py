@@ -33,8 +33,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.models import SimpleMLP, train_step
-from tests.multirank import rank_data
+from tests.multirank import SelectedCases, rank_data
 from tests.test_replicate import ATOL, RTOL
+
+# The seed's loss is a sum of b x 8 signed differences that mostly cancel: its float32 round-off is
+# that of every term added up (a few 1e-6 after two Adam steps), not of its small result.
+# Parameters and optimizer states, which are what training keeps, are held to ATOL.
+LOSS_ATOL = 1e-5
 
 BATCH = 16
 
@@ -199,7 +204,7 @@ class Report:
         if not cond:
             self.problems.append(msg)
 
-    def close(self, where: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    def close(self, where: str, actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL) -> None:
         a, e = _full(actual), _full(expected)
         if a.shape != e.shape or a.dtype != e.dtype:
             self.problems.append(f"{where}: {tuple(a.shape)} {a.dtype} vs DDP {tuple(e.shape)} {e.dtype}")
@@ -207,8 +212,8 @@ class Report:
         a, e = a.to(torch.float64), e.to(torch.float64)
         err = float((a - e).abs().max()) if a.numel() else 0.0
         self.max_err = max(self.max_err, err if err == err else float("inf"))
-        if not bool(torch.isclose(a, e, rtol=RTOL, atol=ATOL).all()):
-            self.problems.append(f"{where}: max abs err {err:.3g} (rtol={RTOL}, atol={ATOL})")
+        if not bool(torch.isclose(a, e, rtol=RTOL, atol=atol).all()):
+            self.problems.append(f"{where}: max abs err {err:.3g} (rtol={RTOL}, atol={atol})")
 
     def as_dict(self) -> dict:
         return dict(problems=self.problems, max_err=self.max_err, facts=self.facts)
@@ -268,7 +273,7 @@ def parity_run(rep: Report, mode: str, model_fn, opt_fn, step, batches, *, dp_kw
         if ref_out is None:
             rep.check(out is None, f"step {i}: returned {out!r}, eager returned None")
         else:
-            rep.close(f"step {i}: loss", _loss_of(out), _loss_of(ref_out))
+            rep.close(f"step {i}: loss", _loss_of(out), _loss_of(ref_out), atol=LOSS_ATOL)
             for j, (o, r) in enumerate(zip(out[1:], ref_out[1:]) if isinstance(ref_out, tuple) else ()):
                 if isinstance(r, torch.Tensor):
                     rep.close(f"step {i}: returned value {j + 1}", o, r)
@@ -594,21 +599,21 @@ CATALOGUE = {
 WS3_CASES = {"param_not_in_optimizer": FS, "frozen_param": FS}
 
 
-def catalogue_job(plan: dict[str, tuple[str, ...]]) -> dict:
-    """Run every case of ``plan`` (name -> modes); a case that raises is reported, not fatal."""
+def catalogue_job(cases: list[tuple[str, str]]) -> dict:
+    """Run every (name, mode) of ``cases``; a case that raises is reported, not fatal."""
     out = {}
-    for name, modes in plan.items():
-        for mode in modes:
-            rep = Report()
-            try:
-                CATALOGUE[name][0](rep, mode)
-            except Exception as e:  # noqa: BLE001 - reported per case
-                rep.facts["exception"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-                dist.barrier()
-            for k in ("model", "ddp", "compiled"):
-                if not isinstance(rep.facts.get(k), (str, tuple, type(None))):
-                    rep.facts.pop(k, None)
-            out[(name, mode)] = rep.as_dict()
+    order = list(CATALOGUE)
+    for name, mode in sorted(cases, key=lambda c: (order.index(c[0]), CATALOGUE[c[0]][1].index(c[1]))):
+        rep = Report()
+        try:
+            CATALOGUE[name][0](rep, mode)
+        except Exception as e:  # noqa: BLE001 - reported per case
+            rep.facts["exception"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            dist.barrier()
+        for k in ("model", "ddp", "compiled"):
+            if not isinstance(rep.facts.get(k), (str, tuple, type(None))):
+                rep.facts.pop(k, None)
+        out[(name, mode)] = rep.as_dict()
     return out
 
 
@@ -771,20 +776,22 @@ def atomicity_job(mode: str) -> dict:
 # Tests: catalogue
 # --------------------------------------------------------------------------------------------------
 
-_REPORTS: dict[int, list[dict]] = {}
+def _case_of(item) -> tuple[str, str] | None:
+    """The (case, mode) a collected catalogue test reads (``runs`` marks it)."""
+    mark = item.get_closest_marker("catalogue")
+    if mark is None:
+        return None
+    params = item.callspec.params
+    return params.get("case", mark.args[0]), params["mode"]
 
 
-def _reports(pool) -> list[dict]:
-    if pool.world_size not in _REPORTS:
-        plan = {n: modes for n, (_, modes) in CATALOGUE.items()} if pool.world_size == 2 else WS3_CASES
-        _REPORTS[pool.world_size] = pool.run(catalogue_job, plan, timeout=600)
-    return _REPORTS[pool.world_size]
+_REPORTS = SelectedCases(catalogue_job, _case_of, timeout=600)
 
 
 def _case(pool, name: str, mode: str) -> list[dict]:
     """The per-rank reports of one case, after asserting it raised nothing and has no problems
     (parity with DDP)."""
-    reps = [r[(name, mode)] for r in _reports(pool)]
+    reps = [r[(name, mode)] for r in _REPORTS.reports(pool)]
     for rank, rep in enumerate(reps):
         assert "exception" not in rep["facts"], f"{name}/{mode} raised on rank {rank}: {rep['facts']['exception']}"
         assert not rep["problems"], (
@@ -803,7 +810,8 @@ def runs(*names: str):
                 params.append((ws, mode, name) if len(names) > 1 else (ws, mode))
                 ids.append(f"{name.split('_', 1)[-1] + '-' if len(names) > 1 else ''}{mode}-ws{ws}")
     argnames = "pool, mode, case" if len(names) > 1 else "pool, mode"
-    return pytest.mark.parametrize(argnames, params, indirect=["pool"], ids=ids)
+    parametrize = pytest.mark.parametrize(argnames, params, indirect=["pool"], ids=ids)
+    return lambda test: parametrize(pytest.mark.catalogue(names[0])(test))
 
 
 @runs("constants_in_batch")
@@ -897,12 +905,14 @@ def _flat_norm_line() -> int:
 
 
 @pytest.mark.parametrize("pool, mode", [(2, "replicate")], indirect=["pool"], ids=["replicate-ws2"])
+@pytest.mark.catalogue("flat_grad_norm")
 def test_flat_grad_norm_matches_ddp(pool, mode):
     for rep in _case(pool, "flat_grad_norm", mode):
         assert rep["facts"]["raised"] is None, rep["facts"]["raised"]
 
 
 @pytest.mark.parametrize("pool, mode", [(2, "fully_shard")], indirect=["pool"], ids=["fully_shard-ws2"])
+@pytest.mark.catalogue("flat_grad_norm")
 def test_flat_grad_norm_fully_shard_computes_or_names_the_line(pool, mode):
     for rep in _case(pool, "flat_grad_norm", mode):
         raised = rep["facts"]["raised"]
