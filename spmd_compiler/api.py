@@ -35,7 +35,7 @@ from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
 from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.grad_outputs import output_gradients
 
-from . import cache
+from . import cache, guards
 from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
@@ -124,6 +124,7 @@ class CompiledStep:
         self.last_compiled: CompiledGraph | None = None
         self._no_sync = False  # inside no_sync(): calls only accumulate gradients
         self._accumulated: dict[str, torch.Tensor] = {}  # parameter -> this rank's gradient
+        self._lifts = guards.LiftPolicy()  # numbers the step reads, recorded as inputs
 
     # -- gradient accumulation across calls -----------------------------------------------------
 
@@ -243,7 +244,8 @@ class CompiledStep:
         key = self._step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager",
-                              summary=summary)
+                              summary=summary, values=guards.ValueGuards(
+                                  traced.value_guards, guards.step_roots(self.fn, sa)))
         self._programs.append(entry)
         self._remember_input_shapes(sa, traced)
         self._last_key = key
@@ -401,7 +403,8 @@ class CompiledStep:
                       dynamic: dict[int, tuple[int, ...]] | None, why: list[str]):
         """Trace, analyze, expand, optimize and lower the step; touches no live state."""
         if self._last_key is not None and key is not None:
-            _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
+            _info("spmd_compiler: recompiling %s: %s", self.__name__,
+                  self._values_changed(key) or _why(self._last_key, key))
         if why:
             _info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         fully_shard = self.parallel_mode.parallel_style in SHARDED_STYLES
@@ -418,11 +421,7 @@ class CompiledStep:
                 dump_index[0] += 1
 
         t = time.perf_counter()
-        traced = trace_step(self.fn, (), {}, step_args=sa,
-                            fuse_optimizer=self.parallel_mode.fuse_optimizer,
-                            dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic,
-                            mp_policy=self.parallel_mode.mp_policy,
-                            accumulation=self._accumulation())
+        traced = self._trace(sa, sa.dynamic_dims if dynamic is None else dynamic)
         _log_specializations(traced, sa)
         stage("traced", traced.gm, t)
 
@@ -480,6 +479,37 @@ class CompiledStep:
         runnable = lower(gm, self.backend, rank_check=await_agreement if self.check_ranks else None)
         stage("lowered", gm, t)
         return gm, traced, guard_code, seconds, runnable
+
+
+    def _trace(self, sa: StepArgs, dynamic: dict[int, tuple[int, ...]]) -> TracedStep:
+        """Record the step, with the numbers it read that changed since as inputs
+        (guards.LiftPolicy); if that recording fails, again with them as constants."""
+        lift = list(self._lifts.lift)
+        try:
+            traced = trace_step(self.fn, (), {}, step_args=sa,
+                                fuse_optimizer=self.parallel_mode.fuse_optimizer,
+                                dynamic_dims=dynamic, mp_policy=self.parallel_mode.mp_policy,
+                                accumulation=self._accumulation(), lift=lift)
+        except (SPMDError, LookupError) as e:
+            if not lift:
+                raise
+            _info("spmd_compiler: recording with %s as inputs failed (%s); recording them as "
+                  "constants", ", ".join(guards.describe_paths(lift)), str(e).splitlines()[0])
+            self._lifts.keep_constant(lift)
+            return self._trace(sa, dynamic)
+        self._lifts.keep_constant(guards.specialized_lifts(traced))
+        return traced
+
+    def _values_changed(self, key: tuple) -> str | None:
+        """Which Python values read by the step's newest program for ``key`` changed (logged
+        as the reason to recompile); numbers among them become inputs of the next recording."""
+        for entry in reversed(self._programs):
+            if entry.static_key == key and entry.values is not None:
+                changes = entry.values.changed()
+                if changes:
+                    self._lifts.recompiled_for(changes)
+                    return guards.describe_changes(changes)
+        return None
 
 
 def _log_specializations(traced: TracedStep, sa: StepArgs) -> None:
@@ -657,7 +687,8 @@ def step_key(sa: StepArgs) -> tuple:
     optim = []
     for opt in sa.optimizers:
         groups = tuple(
-            tuple(sorted((k, _hashable(v)) for k, v in g.items() if k != "params" and k not in LIFTED_HPARAMS))
+            tuple(sorted((k, _hashable(v)) for k, v in g.items()  # plain values: guards.py
+                         if k != "params" and k not in LIFTED_HPARAMS and not guards.is_plain(v)))
             + (tuple(id(p) for p in g["params"]),)
             for g in opt.param_groups
         )

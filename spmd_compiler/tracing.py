@@ -58,6 +58,7 @@ from .errors import (
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
+from . import guards
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
 
@@ -135,6 +136,9 @@ class TracedStep:
     # whose gradient is a trailing output (after the created states): spmd_compiler/accumulation.py
     grads_in: list[str] = field(default_factory=list)
     grads_out: list[str] = field(default_factory=list)
+    # the Python values the step read (spmd_compiler/guards.py): constants in the graph, guarded,
+    # or lifted (trailing hyperparameters, in order)
+    value_guards: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,7 +451,7 @@ class _StepTracer(PythonKeyTracer):
         self._calls: dict[str, int] = {}
         self._formatted: dict[tuple, str] = {}
         self._skip = uninteresting_files()
-        self.code_seen: set = set()  # code objects on the stack of any recorded node
+        self.code_seen: dict = {}  # code object on the stack of any recorded node -> its globals
 
     def call_module(self, m, forward, args, kwargs):
         path = self._paths.get(id(m))
@@ -473,7 +477,8 @@ class _StepTracer(PythonKeyTracer):
         seen = self.code_seen
         while frame is not None:
             code = frame.f_code
-            seen.add(code)
+            if code not in seen:
+                seen[code] = frame.f_globals
             if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
                     and code.co_filename not in self._skip:
                 frames.append((code.co_filename, frame.f_lineno, code.co_name))
@@ -504,19 +509,19 @@ class _StepRecorder(_MakefxTracer):
         super()._construct_modes_with_fx_tracer(self.fx_tracer)
 
 
-def record(fn: Callable, module: torch.nn.Module, source_files: set[str] | None = None,
+def record(fn: Callable, module: torch.nn.Module, codes: dict | None = None,
            ) -> Callable[..., torch.fx.GraphModule]:
     """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
-    the path of the submodule of ``module`` they were recorded in. Adds to ``source_files`` every
-    Python file with code on the stack of a recorded node."""
+    the path of the submodule of ``module`` they were recorded in. Adds to ``codes`` every code
+    object on the stack of a recorded node, with its globals."""
     recorder = _StepRecorder(module)
 
     def run(*args):
         try:
             return recorder.trace(fn, *args)
         finally:
-            if source_files is not None and recorder.last_tracer is not None:
-                source_files.update(c.co_filename for c in recorder.last_tracer.code_seen)
+            if codes is not None and recorder.last_tracer is not None:
+                codes.update(recorder.last_tracer.code_seen)
 
     return run
 
@@ -530,7 +535,7 @@ def trace_step(
     fn: Callable, args: tuple, kwargs: dict | None = None, input_batch_dim: Any = 0,
     *, step_args: StepArgs | None = None, fuse_optimizer: bool = False,
     dynamic_dims: Mapping[int, Iterable[int]] | None = None, mp_policy=None,
-    accumulation: str | None = None,
+    accumulation: str | None = None, lift: list[tuple] = (),
 ) -> TracedStep:
     """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
 
@@ -540,7 +545,9 @@ def trace_step(
     ``MixedPrecisionPolicy``) the module's forward is recorded with its parameters, inputs and
     outputs cast as the policy says (spmd_compiler/mixed_precision.py). ``accumulation``
     (``ACCUMULATE`` / ``APPLY``, spmd_compiler/accumulation.py) records a step whose gradients
-    start from trailing gradient inputs (and, accumulating, end as trailing outputs).
+    start from trailing gradient inputs (and, accumulating, end as trailing outputs). ``lift``:
+    paths of Python numbers the step reads (spmd_compiler/guards.py) recorded as symbolic
+    numbers, lifted hyperparameters after the learning rates.
 
     The batch dim of every input is a symbolic size; so is every dim in ``dynamic_dims``
     (argument leaf index -> dims, e.g. a sequence length), each with its own symbol. A dynamic
@@ -556,7 +563,7 @@ def trace_step(
     dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
     entangled: list[tuple[int, int, str]] = []
     while True:
-        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation)
+        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation, lift)
         tied = _dims_tied_to_batch(traced, sa)
         if not tied:
             traced.entangled = entangled
@@ -629,7 +636,7 @@ class _InputShapeEnv(ShapeEnv):
 
 def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                  dynamic_dims: dict[int, tuple[int, ...]], mp_policy=None,
-                 accumulation: str | None = None) -> TracedStep:
+                 accumulation: str | None = None, lift: list[tuple] = ()) -> TracedStep:
     """One make_fx recording of the step (see ``trace_step``)."""
     module = sa.module
 
@@ -702,12 +709,21 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                 src = ConstantSource(f"hparam_{len(hparams)}_{name}")
                 sym = shape_env.create_unspecified_symbol(value, src, dynamic_dim=DimDynamic.DYNAMIC)
                 hparams.append(shape_env.create_symfloatnode(sym, hint=value, source=src))
+    roots = guards.step_roots(fn, sa)
+    num_lrs = len(hparams)
+    for value in guards.lifted_numbers(lift, roots):  # numbers the step reads, as inputs
+        src = ConstantSource(f"hparam_{len(hparams)}_value")
+        sym = shape_env.create_unspecified_symbol(value, src, dynamic_dim=DimDynamic.DYNAMIC)
+        make = shape_env.create_symfloatnode if isinstance(value, float) else shape_env.create_symintnode
+        hparams.append(make(sym, hint=value, source=src))
+        hparam_values.append(value)
+        hparam_tensors.append(False)
 
     fake_inputs = _fake_inputs(fake_mode, sa, dynamic_dims)
 
     grad_nodes: dict[str, torch.fx.Node] = {}
     created: list[tuple[str, str]] = []
-    source_files: set[str] = set()
+    codes: dict = {}  # code objects that ran -> their globals
     out_info = {}
 
     counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
@@ -736,7 +752,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         ), reads, _compiling_forward(module), cast_forward(module, mp_policy), accumulating(
             sa.optimizers, module, list(zip([fp for fp in params if fp.requires_grad], grads)),
             accumulation,
-        ):
+        ), guards.substituted(list(lift), roots, lifted[num_lrs:]):
             out = fn(*call_args, **call_kwargs)
             grads_out = ([fp.grad for fp in params if fp.requires_grad]
                          if accumulation == ACCUMULATE else [])
@@ -772,7 +788,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True), \
                 faster_symbolic_recording(), size_oblivious_reshape():
-            gm = record(stateless_step, module, source_files)(
+            gm = record(stateless_step, module, codes)(
                 *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
                 *fake_inputs, *fake_grads,
             )
@@ -794,6 +810,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
 
     remove_profiler_nodes(gm)
     _check_matmul_dtypes(gm)
+    value_guards, source_files = guards.collect(fn, sa, codes, list(lift))
     _annotate(
         gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, len(hparams), sa,
         grad_nodes, dynamic_dims,
@@ -826,7 +843,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         dynamic_dims=dynamic_dims,
         static_sizes=_static_sizes(fake_inputs, shape_env),
         specialized_dims=_specialized_dynamic_dims(shape_env, fake_inputs, sa, dynamic_dims),
-        source_files=sorted(f for f in source_files if not f.startswith("<")),
+        source_files=source_files,
+        value_guards=value_guards,
         out_spec=out_info["spec"],
         out_constants=out_info["constants"],
         num_tensor_outputs=out_info["n"],
@@ -838,7 +856,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
 def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:
     """(index, value) of the lifted hyperparameters that the trace baked in as constants (an op
     that takes a plain float guarded on its value): the graph is valid only for those values."""
-    index = {h.node._expr: i for i, h in enumerate(hparams) if isinstance(h, torch.SymFloat)}  # unreplaced
+    index = {h.node._expr: i for i, h in enumerate(hparams)  # unreplaced
+             if isinstance(h, (torch.SymFloat, torch.SymInt))}
     baked = {index[s] for g in shape_env.guards for s in g.expr.free_symbols if s in index}
     return [(i, values[i]) for i in sorted(baked)]
 
