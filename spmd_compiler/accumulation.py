@@ -2,7 +2,8 @@
 
 ``with step.no_sync(): step(model, optim, batch)`` runs the step's forward and backward only:
 no gradient collective, no optimizer update. The gradients (each rank's own, unsharded, in the
-parameters' dtype) are kept by the compiled step between calls. The next call outside
+parameters' dtype) are kept with the model between calls (``accumulated_grads``: one set per
+model object, so two models trained through one step never mix theirs). The next call outside
 ``no_sync`` runs the whole step, its backward adding to the kept gradients, then syncs them
 once and updates the parameters, as DDP does after ``no_sync`` and FSDP2 after
 ``set_requires_gradient_sync(False)``; the kept gradients are then dropped.
@@ -19,11 +20,25 @@ call. Each mode is its own program (recorded once, with the mode in the cache ke
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 ACCUMULATE = "accumulate"
 APPLY = "apply"
+
+_GRADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def accumulated_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's gradients that calls inside ``no_sync`` accumulated for ``module``'s
+    parameters, by parameter name (empty when none): the model's, whatever step ran them; the
+    runtime adds to and clears this dict in place."""
+    grads = _GRADS.get(module)
+    if grads is None:
+        grads = _GRADS[module] = {}
+    return grads
 
 
 @contextlib.contextmanager

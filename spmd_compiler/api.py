@@ -40,7 +40,7 @@ from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
 from .mixed_precision import check_policy, reduce_dtype_of
-from .accumulation import ACCUMULATE, APPLY
+from .accumulation import ACCUMULATE, APPLY, accumulated_grads
 from .eager import attach as attach_eager_use, refuse_bound
 from .consistency import (
     CACHED,
@@ -123,7 +123,6 @@ class CompiledStep:
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
         self._no_sync = False  # inside no_sync(): calls only accumulate gradients
-        self._accumulated: dict[str, torch.Tensor] = {}  # parameter -> this rank's gradient
         self._lifts = guards.LiftPolicy()  # numbers the step reads, recorded as inputs
 
     # -- gradient accumulation across calls -----------------------------------------------------
@@ -131,7 +130,7 @@ class CompiledStep:
     @contextlib.contextmanager
     def no_sync(self):
         """Calls of the step inside this block run its forward and backward only: gradients
-        accumulate on each rank (kept by the step, not in ``p.grad``), with no communication and
+        accumulate on each rank (kept with the model, not in ``p.grad``), with no communication and
         no optimizer update; the step's ``zero_grad`` does nothing. The next call outside the
         block adds its own gradients to them, syncs once and updates (DDP's ``no_sync``, FSDP2's
         ``set_requires_gradient_sync(False)``). See spmd_compiler/accumulation.py."""
@@ -141,13 +140,13 @@ class CompiledStep:
         finally:
             self._no_sync = outer
 
-    def _accumulation(self) -> str | None:
+    def _accumulation(self, module: torch.nn.Module) -> str | None:
         if self._no_sync:
             return ACCUMULATE
-        return APPLY if self._accumulated else None
+        return APPLY if accumulated_grads(module) else None
 
     def _step_key(self, sa: StepArgs) -> tuple:
-        return step_key(sa) + (("gradient accumulation", self._accumulation()),)
+        return step_key(sa) + (("gradient accumulation", self._accumulation(sa.module)),)
 
     # -- calling ------------------------------------------------------------------------------
 
@@ -185,7 +184,8 @@ class CompiledStep:
                                               running=choice)
                 try:
                     with torch.no_grad(), agreement_in_flight(pending):
-                        return self._programs[choice](sa, mesh, hparams, self._accumulated)
+                        return self._programs[choice](sa, mesh, hparams,
+                                                      accumulated_grads(sa.module))
                 except Redispatch as r:
                     choice = r.choice
             else:
@@ -194,7 +194,7 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            return entry(sa, mesh, hparams, self._accumulated)
+            return entry(sa, mesh, hparams, accumulated_grads(sa.module))
 
     def _mesh(self, device: torch.device):
         """The step's mesh: the one given, else the 1-D mesh over the default group."""
@@ -272,17 +272,17 @@ class CompiledStep:
 
     # -- the disk cache -----------------------------------------------------------------------
 
-    def _disk_cache(self) -> str | None:
+    def _disk_cache(self, module: torch.nn.Module) -> str | None:
         """The program cache directory, if the cache applies to this step (eager backend, no
         per-stage dumps, which need a real compile)."""
-        if self.backend != "eager" or self.dump_dir or self._accumulation():
+        if self.backend != "eager" or self.dump_dir or self._accumulation(module):
             return None
         return cache_dir_from(self.cache_dir)
 
     def _load_program(self, sa: StepArgs, dynamic: dict[int, tuple[int, ...]], group):
         """(key, stored program) from the disk cache: (None, None) without a cache; (key, None)
         unless every rank found the program (all compile then, so none waits for another)."""
-        cache_dir = self._disk_cache()
+        cache_dir = self._disk_cache(sa.module)
         if cache_dir is None:
             return None, None
         try:
@@ -319,7 +319,7 @@ class CompiledStep:
                                  num_nodes, entry.stage_seconds, entry_summary(entry), cache.class_files(sa)
                                  + [inspect.getsourcefile(self.fn) or ""])
             if program is not None:
-                cache.store(self._disk_cache(), program)
+                cache.store(self._disk_cache(sa.module), program)
         except Exception as e:  # noqa: BLE001 - the cache never stops a step
             log.info("spmd_compiler: program not cached (%s)", e)
 
@@ -452,7 +452,7 @@ class CompiledStep:
                 broadcast_buffers=mode.broadcast_buffers,
                 reduce_dtype=reduce_dtype_of(mode.mp_policy),
                 divide_after_sum=mode.divide_gradients == "after",
-                sync_grads=self._accumulation() != ACCUMULATE,
+                sync_grads=self._accumulation(sa.module) != ACCUMULATE,
                 accumulate_cap_bytes=int((mode.reduce_cap_mb or 0) * 2**20))
         except ShardingError as e:
             raise UnsupportedError(str(e)) from e
@@ -489,7 +489,7 @@ class CompiledStep:
             traced = trace_step(self.fn, (), {}, step_args=sa,
                                 fuse_optimizer=self.parallel_mode.fuse_optimizer,
                                 dynamic_dims=dynamic, mp_policy=self.parallel_mode.mp_policy,
-                                accumulation=self._accumulation(), lift=lift)
+                                accumulation=self._accumulation(sa.module), lift=lift)
         except (SPMDError, LookupError) as e:
             if not lift:
                 raise
