@@ -36,7 +36,7 @@ from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.grad_outputs import output_gradients
 
 from . import cache, guards
-from .cache import cache_dir_from, program_key
+from .cache import program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
 from .mixed_precision import check_policy, reduce_dtype_of
@@ -215,13 +215,14 @@ class CompiledStep:
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._dims_to_trace_dynamic(sa, group)
-            disk_key, stored = self._load_program(sa, dynamic, group)
+            disk, stored = self._load_program(sa, dynamic, group)
         summary = None
         try:
             refuse_bound(sa.module)
             if stored is not None:
-                traced, runnable, guard_code, seconds, graph, num_nodes = self._unpack(stored)
-                summary = stored.summary
+                traced, runnable, guard_code, seconds = (
+                    stored.traced, stored.runnable, stored.guard_code, stored.seconds)
+                graph, num_nodes, summary = stored.graph, stored.num_nodes, stored.summary
             else:
                 gm, traced, guard_code, seconds, runnable = self._build(
                     sa, mesh_dims(mesh), key, dynamic, why)
@@ -266,25 +267,30 @@ class CompiledStep:
         )
         if stored is not None:
             self.cache_hits += 1
-        elif disk_key is not None:
-            self._store_program(disk_key, sa, entry, runnable, graph, num_nodes)
+        elif disk is not None:
+            self._store_program(disk, sa, entry, runnable, graph, num_nodes)
         return entry
 
     # -- the disk cache -----------------------------------------------------------------------
 
-    def _disk_cache(self, module: torch.nn.Module) -> str | None:
-        """The program cache directory, if the cache applies to this step (eager backend, no
-        per-stage dumps, which need a real compile)."""
-        if self.backend != "eager" or self.dump_dir or self._accumulation(module):
-            return None
-        return cache_dir_from(self.cache_dir)
-
     def _load_program(self, sa: StepArgs, dynamic: dict[int, tuple[int, ...]], group):
-        """(key, stored program) from the disk cache: (None, None) without a cache; (key, None)
-        unless every rank found the program (all compile then, so none waits for another)."""
-        cache_dir = self._disk_cache(sa.module)
-        if cache_dir is None:
+        """((cache directory, key), cache.Loaded) from the disk cache; (None, None) without a
+        cache; ((dir, key), None) unless every rank found a usable program. Every rank decides
+        together (cache.agree) before any loads or compiles, so none waits for another."""
+        cache_dir, described = cache.setting(self.cache_dir, self.dump_dir, self.backend,
+                                              self._accumulation(sa.module) is not None)
+        disk_key, stored = None, None
+        if cache_dir is not None:
+            disk_key, stored = self._lookup(cache_dir, sa, dynamic, group)
+        on, found = cache_dir is not None, stored is not None
+        if self.check_ranks and dist.get_world_size(group) > 1:
+            on, found = cache.agree(on, described, found, group)
+        if not on or disk_key is None:
             return None, None
+        return (cache_dir, disk_key), stored if found else None
+
+    def _lookup(self, cache_dir: str, sa: StepArgs, dynamic, group):
+        """(key, cache.Loaded or None) of this step's program in ``cache_dir``."""
         try:
             disk_key = program_key(
                 fn=self.fn, sa=sa, dynamic_dims=dynamic, rank=dist.get_rank(group),
@@ -292,34 +298,20 @@ class CompiledStep:
                     mode=self.parallel_mode, backend=self.backend, check_ranks=self.check_ranks,
                     gm_transformation=self.gm_transformation, mesh=None if self.mesh is None
                     else (tuple(self.mesh.shape), self.mesh.mesh_dim_names)))
-            stored = cache.load(cache_dir, disk_key)
+            return disk_key, cache.usable(cache.load(cache_dir, disk_key), self.fn, sa)
         except Exception as e:  # noqa: BLE001 - the cache never stops a compile
             log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
-            disk_key, stored = None, None
-        if self.check_ranks and dist.get_world_size(group) > 1:
-            found = torch.tensor([stored is not None], dtype=torch.int64)
-            dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
-            if not found.item():
-                stored = None
-        return disk_key, stored
+            return None, None
 
-    @staticmethod
-    def _unpack(stored):
-        start = time.perf_counter()
-        traced, runnable = cache.unpack(stored)
-        seconds = {"loaded from cache": time.perf_counter() - start}
-        return traced, runnable, stored.guard_code, seconds, stored.graph_description, stored.num_nodes
-
-    def _store_program(self, disk_key: str, sa: StepArgs, entry: CompiledGraph, runnable,
+    def _store_program(self, disk: tuple[str, str], sa: StepArgs, entry: CompiledGraph, runnable,
                        graph: dict, num_nodes: int) -> None:
-        if self.backend != "eager":
-            return
+        cache_dir, disk_key = disk
         try:
             program = cache.pack(disk_key, entry.traced, runnable, entry.guard_code, graph,
                                  num_nodes, entry.stage_seconds, entry_summary(entry), cache.class_files(sa)
                                  + [inspect.getsourcefile(self.fn) or ""])
             if program is not None:
-                cache.store(self._disk_cache(sa.module), program)
+                cache.store(cache_dir, program)
         except Exception as e:  # noqa: BLE001 - the cache never stops a step
             log.info("spmd_compiler: program not cached (%s)", e)
 
