@@ -14,7 +14,8 @@ code). The names this code reads (``co_names``) select, among
   cells of the step and of the functions it reaches;
 - every entry of the optimizers' ``param_groups`` but ``params`` and the lifted learning rate,
 
-the plain values: numbers, strings, bools, None, enum members and tuples of them. Each is a
+the plain values: numbers, strings, bools, None, enum members and tuples of them (and those of a
+plain dict reached so, under a string key the user's code names). Each is a
 ``ValueGuard``: its name as the user would write it, a path from the step's roots to it (valid
 in another process: the disk cache checks stored programs with the same guards), the value at
 recording and the line that read it. Objects and modules along the way are followed three
@@ -113,6 +114,8 @@ def step_roots(fn: Callable, sa) -> dict:
     roots = {("model",): sa.module, ("fn",): getattr(fn, "__func__", fn)}
     if isinstance(fn, types.MethodType):
         roots[("self",)] = fn.__self__
+    elif not isinstance(fn, types.FunctionType) and hasattr(fn, "__dict__"):
+        roots[("self",)] = fn  # a callable object: its __call__ reads its attributes
     for k, opt in enumerate(sa.optimizers):
         roots[("optimizer", k)] = opt
     return roots
@@ -314,8 +317,11 @@ class _Collector:
         self._done_codes: set = set()
         self._model_modules = {id(m) for m in roots[("model",)].modules()}
         fn = roots[("fn",)]
+        if not isinstance(fn, types.FunctionType):
+            fn = getattr(type(fn), "__call__", None)
         if isinstance(fn, types.FunctionType):
             self.codes.setdefault(fn.__code__, fn.__globals__)
+        self.keys: set[str] = set()  # string constants of the user's code: dict keys it reads
 
     def expand(self) -> None:
         """Add nested code and the user functions that user code can call by a global name."""
@@ -336,6 +342,8 @@ class _Collector:
                     self.codes[f.__code__] = f.__globals__
                     todo.append(f.__code__)
         self.names = set().union(*(c.co_names for c in self.codes))
+        self.keys = {k for c in self.codes if is_user_file(c.co_filename)
+                     for k in c.co_consts if isinstance(k, str)}
 
     def walk(self, sa, lifted) -> None:
         self._seen_objects.clear()
@@ -375,6 +383,9 @@ class _Collector:
                     self._object(v, name, path, depth + 1)
             elif isinstance(v, torch.nn.Module) and id(v) in self._model_modules:
                 pass  # walked as part of the model
+            elif type(v) is dict and len(v) <= 256:  # a config dict read by key
+                for k in self.keys.intersection(k for k in v if isinstance(k, str)):
+                    self._value(v[k], f"{name}[{k!r}]", path + (("item", k),), depth + 1, k)
             elif hasattr(v, "__dict__") and not isinstance(v, (torch.optim.Optimizer, types.MethodType)):
                 self._object(v, name, path, depth + 1, module=isinstance(v, torch.nn.Module))
 
@@ -405,7 +416,8 @@ class _Collector:
             self.guards[path] = ValueGuard(name, path, value, where or self._where(attr))
 
     def _where(self, attr: str) -> str:
-        readers = [c for c in self.codes if attr in c.co_names or attr in c.co_freevars]
+        readers = [c for c in self.codes
+                   if attr in c.co_names or attr in c.co_freevars or attr in c.co_consts]
         readers.sort(key=lambda c: not is_user_file(c.co_filename))
         for code in readers[:1]:
             line = _line_reading(code, attr)

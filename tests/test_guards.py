@@ -19,6 +19,7 @@ from tests.models import train_step
 from tests.test_robustness import Report, _adam, _sgd, parity_run, xy
 
 LOSS_WEIGHT = 1.0  # read by weighted_step: a module-level setting a schedule changes
+CONFIG = {"label_shift": 0.0}  # read by config_step: a config dict
 
 
 class TemperatureMLP(nn.Module):
@@ -49,6 +50,15 @@ def weighted_step(model, optim, batch):
     optim.zero_grad()
     x, y = batch
     loss = nn.functional.mse_loss(model(x), y) * LOSS_WEIGHT
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def config_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = nn.functional.mse_loss(model(x), y + CONFIG["label_shift"])
     loss.backward()
     optim.step()
     return loss
@@ -149,6 +159,16 @@ def case_global_loss_weight(rep, mode):
         LOSS_WEIGHT = 1.0
 
 
+def case_config_dict(rep, mode):
+    def change(*_):
+        CONFIG["label_shift"] = 0.5
+
+    try:
+        _run(rep, mode, config_step, change)
+    finally:
+        CONFIG["label_shift"] = 0.0
+
+
 def case_closure(rep, mode):
     step, set_scale = scaled_step_and_setter()
     _run(rep, mode, step, lambda *_: set_scale(0.25))
@@ -185,6 +205,7 @@ def case_counter(rep, mode):
 CASES = {
     "dropout_p": case_dropout_p, "temperature": case_temperature,
     "global_loss_weight": case_global_loss_weight, "closure": case_closure,
+    "config_dict": case_config_dict,
     "bound_method": case_bound_method, "optimizer_hyperparameter": case_optimizer_hyperparameter,
     "counter": case_counter,
 }
@@ -224,12 +245,13 @@ CHANGED = {  # case -> (name in the log, the line that read it: a piece of its t
     "temperature": ("model.head.temperature", "test_guards.py"),
     "global_loss_weight": ("LOSS_WEIGHT", "in weighted_step"),
     "closure": ("<closure scale>", "in scaled_step"),
+    "config_dict": ("CONFIG['label_shift']", "in config_step"),
     "bound_method": ("self.aux_weight", "in step"),
     "optimizer_hyperparameter": ("['weight_decay']", "Adam.step()"),
 }
 
 
-@pytest.mark.parametrize("mode", ["replicate"])
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
 @pytest.mark.parametrize("name", sorted(CHANGED))
 def test_changed_value_recompiles_logged_and_matches_ddp(pool2, mode, name):
     """Step 0 compiles, step 1 (optimizer state now exists) compiles the steady program; the
@@ -243,7 +265,7 @@ def test_changed_value_recompiles_logged_and_matches_ddp(pool2, mode, name):
             assert lines and where in lines[0], rep["facts"]["log"]
 
 
-@pytest.mark.parametrize("mode", ["replicate"])
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
 def test_a_counter_becomes_an_input(pool2, mode):
     for rep in _case(pool2, mode, "counter"):
         # the counter changes every call: its first change records it as an input
