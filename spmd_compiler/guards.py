@@ -189,14 +189,7 @@ class ValueGuards:
         self._checked = checked
         self._lifted = [(m, k) for m, k, _ in lifted]
         self.has_lifted = bool(lifted)
-
-    def hold(self) -> bool:
-        """Is every value the program holds as a constant unchanged?"""
-        for mapping, key, value in self._checked:
-            now = mapping.get(key, _MISSING)
-            if now is not value and (now != value or type(now) is not type(value)):
-                return False
-        return True
+        self.hold = _checker(checked)
 
     def lifted_values(self) -> list:
         """The current values of the program's lifted inputs, in placeholder order."""
@@ -210,6 +203,22 @@ class ValueGuards:
             if now is not value and (now != value or type(now) is not type(value)):
                 out.append((g, "<missing>" if now is _MISSING else now))
         return out
+
+
+def _checker(checked: list[tuple]) -> Callable[[], bool]:
+    """``hold()``: is every value the program holds as a constant unchanged? One generated
+    expression (a lookup, an identity test and, only when that fails, a type and equality test
+    per guard): about half the time of a loop over the guards."""
+    if not checked:
+        return lambda: True
+    namespace: dict[str, Any] = {"_M": _MISSING}
+    terms = []
+    for i, (mapping, key, value) in enumerate(checked):
+        namespace.update({f"m{i}": mapping.get, f"k{i}": key, f"v{i}": value, f"t{i}": type(value)})
+        terms.append(f"((x := m{i}(k{i}, _M)) is v{i} or (type(x) is t{i} and x == v{i}))")
+    exec(compile("def hold():\n    return bool(" + "\n        and ".join(terms) + ")",
+                 "<spmd_compiler value guards>", "exec"), namespace)
+    return namespace["hold"]
 
 
 def describe_changes(changes: list[tuple[ValueGuard, Any]]) -> str:
