@@ -64,7 +64,7 @@ class ValueGuard:
     """One Python value a program depends on (see the module docstring)."""
 
     name: str  # as the user writes it: "model.drop.p", "train.LOSS_WEIGHT"
-    path: tuple  # root and steps to the value (``_resolve``); picklable, process-independent
+    path: tuple  # root and steps to the value (``slot``); picklable, process-independent
     value: Any  # at recording
     where: str  # the line that read it
     lifted: bool = False  # a program input: its value is passed on every call, not compared
@@ -110,7 +110,7 @@ class _Cell:
 def step_roots(fn: Callable, sa) -> dict:
     """The objects guard paths start from: the model, the optimizers, the step function and its
     instance (a bound-method step)."""
-    fn = inspect_unwrap(fn)
+    fn = _unwrap(fn)
     roots = {("model",): sa.module, ("fn",): getattr(fn, "__func__", fn)}
     if isinstance(fn, types.MethodType):
         roots[("self",)] = fn.__self__
@@ -121,7 +121,7 @@ def step_roots(fn: Callable, sa) -> dict:
     return roots
 
 
-def inspect_unwrap(fn: Callable) -> Callable:
+def _unwrap(fn: Callable) -> Callable:
     while hasattr(fn, "__wrapped__") and not isinstance(fn, types.MethodType):
         fn = fn.__wrapped__
     return fn
@@ -140,8 +140,6 @@ def _step(obj, step: tuple):
     kind, arg = step
     if kind == "sub":
         return obj.get_submodule(arg)
-    if kind == "attr":
-        return vars(obj)
     if kind == "group":
         return obj.param_groups[arg]
     if kind == "cell":
@@ -395,7 +393,8 @@ class _Collector:
             elif type(v) is dict and len(v) <= 256:  # a config dict read by key
                 for k in self.keys.intersection(k for k in v if isinstance(k, str)):
                     self._value(v[k], f"{name}[{k!r}]", path + (("item", k),), depth + 1, k)
-            elif hasattr(v, "__dict__") and not isinstance(v, (torch.optim.Optimizer, types.MethodType)):
+            elif hasattr(v, "__dict__") and not isinstance(v, (torch.optim.Optimizer, types.MethodType)) \
+                    and not type(v).__module__.startswith(__package__):  # (a compiled step)
                 self._object(v, name, path, depth + 1, module=isinstance(v, torch.nn.Module))
 
     def _object(self, obj, name: str, path: tuple, depth: int, module: bool = False) -> None:
