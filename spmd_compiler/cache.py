@@ -49,6 +49,7 @@ import functools
 import hashlib
 import hmac
 import importlib
+import inspect
 import logging
 import os
 import pickle
@@ -61,8 +62,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
 
+from .torch_internals import pytree
 from .tracing import StepArgs, TracedStep
 
 log = logging.getLogger("spmd_compiler")
@@ -75,7 +76,7 @@ def _info(msg: str, *args) -> None:
     if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
         log.info(msg, *args)
 
-FORMAT = 2  # 2: HMAC-SHA256 under the user's key, value guards
+FORMAT = 3  # 3: HMAC-SHA256 under the user's key, value guards
 _MAGIC = b"spmd-compiler-program\n"
 _KEY_FILE = ".spmd-key"
 
@@ -98,11 +99,9 @@ class StoredProgram:
 
 
 # Fields of TracedStep a stored program keeps (the graph itself and its ShapeEnv are not kept).
-_TRACED_FIELDS = ("param_fqns", "buffer_fqns", "state_keys", "new_state_keys", "num_hparams",
-                  "specialized", "hparam_tensors", "specialized_hparams", "sharded_states",
-                  "out_constants", "num_tensor_outputs", "dynamic_dims", "static_sizes",
-                  "specialized_dims", "entangled", "source_files", "specialized_inputs",
-                  "kept_grads", "value_guards")
+_TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "out_constants",
+                  "dynamic_dims", "static_sizes", "specialized_dims", "entangled", "source_files",
+                  "specialized_inputs", "value_guards")
 
 
 def cache_dir_from(option: str | None) -> str | None:
@@ -477,6 +476,49 @@ def dependencies(files: list[str]) -> list[tuple[str, str]]:
         if digest is not None:
             out.append((f, digest))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Looking a program up and saving it
+
+
+def lookup(cache: tuple[str | None, str], sa: StepArgs, dynamic_dims: dict[int, tuple[int, ...]],
+           group, check_ranks: bool, *, fn: Callable, options: dict[str, Any]):
+    """((cache directory, key), Loaded program) from the disk cache; (None, None) without a
+    cache; ((dir, key), None) unless every rank found a usable program. ``cache`` is this rank's
+    ``setting``; with ``check_ranks`` every rank decides together (``agree``) before any loads
+    or compiles, so none waits for another."""
+    import torch.distributed as dist
+
+    cache_dir, described = cache
+    key, found = None, None
+    if cache_dir is not None:
+        try:
+            key = program_key(fn=fn, sa=sa, dynamic_dims=dynamic_dims, rank=dist.get_rank(group),
+                              world_size=dist.get_world_size(group), group_name=group.group_name,
+                              options=options)
+            found = usable(load(cache_dir, key), fn, sa)
+        except Exception as e:  # noqa: BLE001 - the cache never stops a compile
+            log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
+    on, everyone_found = cache_dir is not None, found is not None
+    if check_ranks and dist.get_world_size(group) > 1:
+        on, everyone_found = agree(on, described, found is not None, group)
+    if not on or key is None:
+        return None, None
+    return (cache_dir, key), found if everyone_found else None
+
+
+def save(cache_dir: str, key: str, sa: StepArgs, fn: Callable, entry, ready, summary) -> None:
+    """Store a compiled eager program (``entry``, a runtime.CompiledGraph, built as ``ready``);
+    a program that cannot be stored is logged, never raised."""
+    try:
+        program = pack(key, entry.traced, ready.runnable, entry.guard_code, ready.graph,
+                       ready.num_nodes, entry.stage_seconds, summary,
+                       class_files(sa) + [inspect.getsourcefile(fn) or ""])
+        if program is not None:
+            store(cache_dir, program)
+    except Exception as e:  # noqa: BLE001 - the cache never stops a step
+        log.info("spmd_compiler: program not cached (%s)", e)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import contextlib
 import dis
 import enum
 import functools
+import logging
 import os
 import sys
 import sysconfig
@@ -460,3 +461,44 @@ def _line_reading(code: types.CodeType, name: str) -> int:
 
 def describe_paths(paths: Iterable[tuple]) -> list[str]:
     return [_name_of(p) for p in paths]
+
+
+def record_lifting(policy: LiftPolicy | None, record: Callable[[list], Any]):
+    """``record(lift)`` with the numbers ``policy`` lifts as inputs; if that recording fails,
+    again with them as constants (kept so by the policy from then on). The lifted numbers the
+    recording used as constants anyway stay constants too."""
+    from .errors import SPMDError
+
+    lift = list(policy.lift) if policy is not None else []
+    try:
+        traced = record(lift)
+    except (SPMDError, LookupError) as e:
+        if not lift:
+            raise
+        logging.getLogger("spmd_compiler").info(
+            "spmd_compiler: recording with %s as inputs failed (%s); recording them as constants",
+            ", ".join(describe_paths(lift)), str(e).splitlines()[0] if str(e) else type(e).__name__)
+        policy.keep_constant(lift)
+        return record([])
+    if policy is not None:
+        policy.keep_constant(specialized_lifts(traced))
+    return traced
+
+
+def bind(traced, fn: Callable, sa) -> ValueGuards:
+    """The value guards of a recording (``traced.value_guards``) bound to the live objects of
+    the call ``fn`` was compiled for."""
+    return ValueGuards(traced.value_guards, step_roots(fn, sa))
+
+
+def recompile_reason(programs: list, key: tuple, policy: LiftPolicy) -> str | None:
+    """Which Python values read by the newest of ``programs`` (runtime.CompiledGraph) for the
+    static ``key`` changed, for the log; the numbers among them are lifted by ``policy`` from
+    the next recording on."""
+    for entry in reversed(programs):
+        if entry.static_key == key and entry.values is not None:
+            changes = entry.values.changed()
+            if changes:
+                policy.recompiled_for(changes)
+                return describe_changes(changes)
+    return None
