@@ -128,8 +128,9 @@ class CompiledStep:
                     pending = start_agreement(CACHED, batch, group, fits, len(self._programs),
                                               running=choice)
                 try:
-                    with torch.no_grad(), agreement_in_flight(pending):
-                        return self._programs[choice](sa, mesh, hparams, self._kept.grads)
+                    with torch.no_grad(), agreement_in_flight(pending) as agreement:
+                        return self._programs[choice](sa, mesh, hparams, self._kept.grads,
+                                                      agreement)
                 except Redispatch as r:
                     choice = r.choice
             else:

@@ -124,19 +124,18 @@ def finish_agreement(pending: PendingAgreement) -> int | None:
     return max(common) if common else None
 
 
-_IN_FLIGHT: list[PendingAgreement | None] = []  # the agreement of the step now running
-
-
 @contextlib.contextmanager
 def agreement_in_flight(pending: PendingAgreement | None):
-    """Run a compiled step while its agreement is in flight; the step's graph calls
-    ``await_agreement`` before its first collective or state update. If the step stops before
-    that, the agreement is still completed here (and, when the step raised nothing, checked)."""
-    _IN_FLIGHT.append(pending)
+    """Run a compiled step while its agreement is in flight: yields the holder (a one-element
+    list) to pass to the step's graph as its ``agreement`` input; the graph calls
+    ``await_agreement(holder)`` before its first collective or state update. If the step stops
+    before that, the agreement is still completed here (and, when the step raised nothing,
+    checked)."""
+    holder = [pending]
     try:
-        yield
+        yield holder
     finally:
-        left = _IN_FLIGHT.pop()
+        left = holder[0]
         if left is not None and sys.exc_info()[0] is None:
             if finish_agreement(left) != left.running:
                 raise RankMismatchError(
@@ -146,11 +145,13 @@ def agreement_in_flight(pending: PendingAgreement | None):
             left.work.wait()
 
 
-def await_agreement() -> None:
-    """Graph node: complete the running step's per-call agreement; raise ``Redispatch`` if the
-    ranks chose another program than the one running (RankMismatchError if a rank failed)."""
-    if _IN_FLIGHT and _IN_FLIGHT[-1] is not None:
-        pending, _IN_FLIGHT[-1] = _IN_FLIGHT[-1], None
+def await_agreement(holder: list | None) -> None:
+    """Graph node: complete the running step's per-call agreement (``holder[0]``, from
+    ``agreement_in_flight``; None when the ranks agreed before the step); raise ``Redispatch``
+    if the ranks chose another program than the one running (RankMismatchError if a rank
+    failed)."""
+    if holder is not None and holder[0] is not None:
+        pending, holder[0] = holder[0], None
         choice = finish_agreement(pending)
         if choice != pending.running:
             raise Redispatch(choice)

@@ -560,13 +560,17 @@ class CompiledGraph:
         return hparams + self.values.lifted_values()
 
     def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
-                 accumulated: dict[str, torch.Tensor] | None = None) -> Any:
+                 accumulated: dict[str, torch.Tensor] | None = None, agreement=None) -> Any:
         """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``.
         ``accumulated`` holds the gradients of a graph that takes (``grads_in``) or returns
-        (``grads_out``) them (spmd_compiler/accumulation.py); updated in place."""
+        (``grads_out``) them (spmd_compiler/accumulation.py); updated in place. ``agreement``:
+        the per-call agreement in flight, for a graph that completes it itself
+        (``checks_ranks_inside``; consistency.agreement_in_flight)."""
         sig = self.traced.signature
         params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
         flat = self._bind(sa, mesh, self.with_lifted(hparams), accumulated, params)
+        if self.checks_ranks_inside:
+            flat.append(agreement)
         with communication_failures("the compiled step",
                                     "Parameters and optimizer state on this rank may be partly "
                                     "updated by this step."):
