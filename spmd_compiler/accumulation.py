@@ -86,6 +86,11 @@ class KeptGradients:
         finally:
             self.inside_no_sync = outer
 
+    def mode_for(self, module: torch.nn.Module) -> str | None:
+        """``mode`` for a call with ``module``, whose accumulated gradients the call then uses."""
+        self.module = module
+        return self.mode
+
     @property
     def mode(self) -> str | None:
         """The program this call needs: ``ACCUMULATE``, ``APPLY`` or None (no accumulation)."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import cache, guards
+from . import cache, compile_log, guards, saving
 from .accumulation import KeptGradients
 from .consistency import (
     CACHED,
@@ -38,6 +38,7 @@ from .errors import NoProcessGroupError, SPMDError
 from .mixed_precision import check_policy
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
 from .pipeline import BuildOptions, build_program, dump_dir_for_compile, info
+from .replay import run_after
 from .runtime import (
     CompiledGraph,
     communication_failures,
@@ -89,15 +90,12 @@ class CompiledStep:
         self._kept, self._lifts = KeptGradients(), guards.LiftPolicy()  # no_sync; read numbers
 
     def no_sync(self):
-        """Calls of the step inside this block run its forward and backward only: gradients
-        accumulate on each rank (kept with the model, not in ``p.grad``), with no communication and
-        no optimizer update; the step's ``zero_grad`` does nothing. The next call outside the
-        block adds its own gradients to them, syncs once and updates (DDP's ``no_sync``, FSDP2's
-        ``set_requires_gradient_sync(False)``). See spmd_compiler/accumulation.py."""
+        """Calls inside this block run forward and backward only, gradients accumulating with the
+        model; the next call outside syncs once and updates (DDP's ``no_sync``): accumulation.py."""
         return self._kept.no_sync()
 
     def _step_key(self, sa: StepArgs) -> tuple:
-        return step_key(sa) + (("gradient accumulation", self._kept.mode),)
+        return step_key(sa) + (("gradient accumulation", self._kept.mode_for(sa.module)),)
 
     def __call__(self, *args, **kwargs):
         _require_process_group()
@@ -110,7 +108,6 @@ class CompiledStep:
                 agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
             raise
         mesh = self._mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
-        self._kept.module = sa.module  # the accumulated gradients are this model's
         key = self._step_key(sa)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         hparams = lifted_hparams(sa)
@@ -129,8 +126,10 @@ class CompiledStep:
                                               running=choice)
                 try:
                     with torch.no_grad(), agreement_in_flight(pending) as agreement:
-                        return self._programs[choice](sa, mesh, hparams, self._kept.grads,
-                                                      agreement)
+                        out = self._programs[choice](sa, mesh, hparams, self._kept.grads,
+                                                     agreement)
+                    run_after(self.fn, self._programs[choice].traced.replay, sa)
+                    return out
                 except Redispatch as r:
                     choice = r.choice
             else:
@@ -139,7 +138,9 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            return entry(sa, mesh, hparams, self._kept.grads)
+            out = entry(sa, mesh, hparams, self._kept.grads)
+        run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
+        return out
 
     def _mesh(self, device: torch.device):
         """The step's mesh: the one given, else the 1-D mesh over the default group."""
@@ -155,6 +156,7 @@ class CompiledStep:
         """Build the program (or load it from the disk cache), check that every rank has the
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
+        why_again = _why_again(self, key)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
@@ -172,9 +174,8 @@ class CompiledStep:
         elif isinstance(description, Exception):
             raise description
         entry = self._install(sa, mesh, ready)
-        info("spmd_compiler: %s %s (%s, %d nodes) in %.2fs", "compiled" if stored is None else
-              "loaded", self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
-              self.last_compile_seconds)
+        compile_log.announce(self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
+                             ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
         if stored is None and disk is not None:
             cache.save(*disk, sa, self.fn, entry, ready, entry_summary(entry))
@@ -199,14 +200,26 @@ class CompiledStep:
 
     def _build(self, sa: StepArgs, mesh, key, dynamic, why) -> "_Ready":
         if self._last_key is not None:
-            why_again = guards.recompile_reason(self._programs, key, self._lifts)
-            info("spmd_compiler: recompiling %s: %s", self.__name__, why_again or _why(self._last_key, key))
+            info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, _why))
         if why:
             info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         program = build_program(self.fn, sa, build_options(self, mesh_dims(mesh), dynamic))
         return _Ready(program.final_traced, program.runnable, program.guard_code, program.seconds,
                       describe_graph(program.gm), len(program.gm.graph.nodes))
 
+
+def _why_again(step: CompiledStep, key: tuple, static=compile_log.reason) -> str | None:
+    """Why ``step`` compiles again for the static ``key``: a Python value its newest program for
+    ``key`` read changed (guards.py; numbers among them become inputs), or what changed in the
+    static key (``static(old key, key)``)."""
+    return (guards.recompile_reason(step._programs, key, step._lifts)
+            or static(step._last_key, key))
+
+
+def _why(old: tuple, new: tuple) -> str:
+    changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
+    return "changed " + ", ".join(changed) if changed else (
+        "input shapes, a baked-in learning rate or an unbatched input's value outside the guards")
 
 
 def build_options(step: CompiledStep, dims: list[tuple[str, int]], dynamic=None) -> BuildOptions:
@@ -244,6 +257,7 @@ def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> N
     place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
                 mode.param_init_fn, torch.device(mesh.device_type))
     attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
+    saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
 
 
 def _write_summaries(entry: CompiledGraph, dump_dir: str | None, index: int) -> None:
@@ -306,7 +320,10 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
                          step.parallel_mode.dynamic_dims)
     program = build_program(step.fn, sa, build_options(step, dims))
     runnable = program.runnable
-    summary = summarize(program.gm, compile_times=program.seconds,
+    created = sorted({k for _, k in program.final_traced.new_state_keys})
+    notes = {"optimizer state": f"0 B so far: the optimizer creates its state ({', '.join(created)}) "
+             f"on its first step; the step then compiles once more with it"} if created else None
+    summary = summarize(program.gm, compile_times=program.seconds, notes=notes,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:
         write_summary(summary, step.dump_dir)
@@ -390,12 +407,6 @@ def step_key(sa: StepArgs) -> tuple:
         ("train/eval mode", training), ("optimizer", tuple(optim)),
         ("input structure", str(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
     )
-
-
-def _why(old: tuple, new: tuple) -> str:
-    changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
-    return "changed " + ", ".join(changed) if changed else (
-        "input shapes, a baked-in learning rate or an unbatched input's value outside the guards")
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",

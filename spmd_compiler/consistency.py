@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
 import sys
 from typing import Any
 
@@ -50,6 +51,10 @@ class Redispatch(Exception):
         super().__init__(f"the ranks chose program {choice}")
         self.choice = choice
 
+
+# A memory address in a repr (a plain object's default one, "<... object at 0x7f...>"): it
+# differs on every rank and says nothing about the program.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 CACHED, COMPILE, COMPILE_FAILED = 0, 1, 2  # what a rank is about to do with this call
 _BITS = 62  # programs per int64 word of the fits-mask
@@ -196,7 +201,7 @@ def describe_program(sa: StepArgs, graph: dict[str, Any],
         for i, d in zip(sa.input_indices, sa.batch_dims)
     ]
     constants = [
-        repr(x) for j, x in enumerate(sa.leaves)
+        _ADDRESS.sub("", repr(x)) for j, x in enumerate(sa.leaves)
         if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
     ]
     return {

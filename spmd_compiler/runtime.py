@@ -212,6 +212,7 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     if not plain:
         _rekey_optimizers(optimizers, seen, mesh)
         return
+    whole_states(optimizers, plain)  # DTensor state of parameters made plain again
     states = [
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
         if isinstance(v, torch.Tensor)
@@ -473,6 +474,27 @@ def place_state_tensor(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
     return v
 
 
+def placed_state(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
+    """An optimizer state value as the compiled graph binds it: placed like ``param`` (a plain
+    one that arrived by ``load_state_dict``), on its padded buffer when sharded."""
+    if isinstance(v, DTensor):
+        return ensure_padded(v, mesh)
+    if isinstance(v, torch.Tensor) and isinstance(param, DTensor):
+        return place_state_tensor(v, param, mesh)
+    return v
+
+
+def whole_states(optimizers: list[torch.optim.Optimizer], plain: list[torch.Tensor]) -> None:
+    """Make DTensor state of the ``plain`` parameters whole plain tensors (collective for
+    sharded ones: every rank places its state together), so they are placed like the rest."""
+    for opt in optimizers:
+        for p in plain:
+            st = opt.state.get(p, {})
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    st[k] = v.full_tensor() if is_sharded(v) else v._local_tensor
+
+
 def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Wrap a state tensor the compiled graph created (padded local shard or whole) like ``param``."""
     if not isinstance(param, DTensor) or buffer.dim() == 0:
@@ -601,9 +623,9 @@ class CompiledGraph:
         state_of = {}
         for opt in sa.optimizers:
             for p, st in opt.state.items():
-                if sig.sharded_states:
-                    for k, v in st.items():
-                        st[k] = ensure_padded(v, mesh)
+                for k, v in st.items():  # re-padded (sharded), or loaded plain: placed
+                    if sig.sharded_states or (type(v) is torch.Tensor and v.dim()):
+                        st[k] = placed_state(v, p, mesh)
                 state_of[id(p)] = st
         flat += [local_buffer(state_of[id(params[n])][k]) for n, k in sig.states]
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v

@@ -722,9 +722,9 @@ ROUND_TRIP_VARIANTS = (
     "get_set_state_dict_before_first_call",
 )
 # Full (unsharded) state dicts: get_state_dict / set_state_dict with
-# StateDictOptions(full_state_dict=True), into a model placed by one compiled call. Known to fail:
+# StateDictOptions(full_state_dict=True), into a model placed by one compiled call.
 # set_optimizer_state_dict re-distributes each optimizer state into a new DTensor without the
-# padded buffer the graph binds (runtime.local_buffer then returns the unpadded local tensor).
+# padded buffer the graph binds; the next compiled call re-pads it (runtime.placed_state).
 FULL_STATE_DICT_VARIANT = "full_state_dict_after_first_call"
 
 
