@@ -321,6 +321,7 @@ class _Collector:
         self.roots = roots
         self.guards: dict[tuple, ValueGuard] = {}
         self.names: set[str] = set()
+        self.stored: set[str] = set()
         self._seen_objects: set[int] = set()
         self._done_codes: set = set()
         self._model_modules = {id(m) for m in roots[("model",)].modules()}
@@ -350,6 +351,9 @@ class _Collector:
                     self.codes[f.__code__] = f.__globals__
                     todo.append(f.__code__)
         self.names = set().union(*(c.co_names for c in self.codes))
+        # names the code that ran assigns (self.n += 1, global n): state the step writes, which
+        # spmd_compiler/side_effects.py replays after each call; not a constant to guard
+        self.stored = set().union(*(_stored_names(c) for c in self.codes))
         self.keys = {k for c in self.codes if is_user_file(c.co_filename)
                      for k in c.co_consts if isinstance(k, str)}
 
@@ -421,6 +425,8 @@ class _Collector:
                 self._value(value, f"{name}.<closure {var}>", path + (("cell", var),), depth, var)
 
     def _add(self, name: str, path: tuple, value, attr: str, where: str | None = None) -> None:
+        if path[0][0] != "optimizer" and attr in self.stored:
+            return
         if path not in self.guards:
             self.guards[path] = ValueGuard(name, path, value, where or self._where(attr))
 
@@ -448,6 +454,13 @@ def _user_methods(cls: type, names: set[str]) -> list[types.FunctionType]:
     return out
 
 
+@functools.lru_cache(maxsize=16384)
+def _stored_names(code: types.CodeType) -> frozenset:
+    """The attribute, global and closure names ``code`` assigns."""
+    return frozenset(ins.argval for ins in dis.get_instructions(code)
+                     if ins.opname in ("STORE_ATTR", "STORE_GLOBAL", "STORE_DEREF"))
+
+
 @functools.lru_cache(maxsize=4096)
 def _line_reading(code: types.CodeType, name: str) -> int:
     line = code.co_firstlineno
@@ -465,8 +478,9 @@ def describe_paths(paths: Iterable[tuple]) -> list[str]:
 
 def record_lifting(policy: LiftPolicy | None, record: Callable[[list], Any]):
     """``record(lift)`` with the numbers ``policy`` lifts as inputs; if that recording fails,
-    again with them as constants (kept so by the policy from then on). The lifted numbers the
-    recording used as constants anyway stay constants too."""
+    again with them as constants (kept so by the policy from then on). A lifted number the
+    recording guarded on (a size, a branch, a float argument) is recorded again as a constant
+    too: the graph's guard expression cannot name a lifted input."""
     from .errors import SPMDError
 
     lift = list(policy.lift) if policy is not None else []
@@ -480,8 +494,10 @@ def record_lifting(policy: LiftPolicy | None, record: Callable[[list], Any]):
             ", ".join(describe_paths(lift)), str(e).splitlines()[0] if str(e) else type(e).__name__)
         policy.keep_constant(lift)
         return record([])
-    if policy is not None:
-        policy.keep_constant(specialized_lifts(traced))
+    constant = specialized_lifts(traced) if lift else []
+    if constant:
+        policy.keep_constant(constant)
+        return record(list(policy.lift))
     return traced
 
 
