@@ -14,7 +14,8 @@ code). The names this code reads (``co_names``) select, among
   cells of the step and of the functions it reaches;
 - every entry of the optimizers' ``param_groups`` but ``params`` and the lifted learning rate,
 
-the plain values: numbers, strings, bools, None, enum members and tuples of them (and those of a
+the plain values (but names the code that ran assigns: state the step writes, which
+spmd_compiler/side_effects.py replays): numbers, strings, bools, None, enum members and tuples of them (and those of a
 plain dict reached so, under a string key the user's code names). Each is a
 ``ValueGuard``: its name as the user would write it, a path from the step's roots to it (valid
 in another process: the disk cache checks stored programs with the same guards), the value at
