@@ -52,6 +52,7 @@ from .signature import StepSignature
 from .subclass_params import ShardContext
 from .torch_internals import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 from .tracing import StepArgs, TracedStep, trace_step
+from . import guards
 
 log = logging.getLogger("spmd_compiler")
 
@@ -77,6 +78,7 @@ class BuildOptions:
     gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None
     rank_check: Callable[[], None] | None = None  # the per-call agreement the graph awaits
     dump_dir: str | None = None
+    lift: Any = None  # guards.LiftPolicy: the numbers the step reads to record as inputs
     # this rank's place on the shard dim (sharded styles), for FSDP2's all-gather extensions
     shard: ShardContext | None = None
 
@@ -130,10 +132,10 @@ class Program:
 
 def _trace(_, b: _Build) -> torch.fx.GraphModule:
     o = b.options
-    b.traced = trace_step(b.fn, (), {}, step_args=b.sa, fuse_optimizer=o.mode.fuse_optimizer,
-                          dynamic_dims=b.sa.dynamic_dims if o.dynamic_dims is None else o.dynamic_dims,
-                          mp_policy=o.mode.mp_policy, accumulation=o.accumulation,
-                          shard=o.shard)
+    b.traced = guards.record_lifting(o.lift, lambda lift: trace_step(
+        b.fn, (), {}, step_args=b.sa, fuse_optimizer=o.mode.fuse_optimizer,
+        dynamic_dims=b.sa.dynamic_dims if o.dynamic_dims is None else o.dynamic_dims,
+        mp_policy=o.mode.mp_policy, accumulation=o.accumulation, lift=lift, shard=o.shard))
     b.signature = b.traced.signature
     _log_specializations(b.traced, b.sa)
     return b.traced.gm
