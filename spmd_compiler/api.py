@@ -39,6 +39,7 @@ from . import cache
 from .cache import cache_dir_from, program_key
 from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
+from .tensor_parallel import data_parallel_mesh, graph_inputs
 from .mixed_precision import check_policy, reduce_dtype_of
 from .accumulation import ACCUMULATE, APPLY
 from .eager import attach as attach_eager_use, refuse_bound
@@ -92,6 +93,9 @@ class CompiledStep:
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
                  check_ranks: bool = True, retain_host_memory: bool = True,
                  cache_dir: str | None = None, mesh=None):
+        # without DataParallel, a tensor-parallel plan over the whole mesh runs alone
+        self.data_parallel_given = parallel_mode is not None
+        parallel_mode = parallel_mode or DataParallel("replicate")
         if not isinstance(parallel_mode, DataParallel):
             raise SPMDError(
                 f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
@@ -124,6 +128,7 @@ class CompiledStep:
         self.last_compiled: CompiledGraph | None = None
         self._no_sync = False  # inside no_sync(): calls only accumulate gradients
         self._accumulated: dict[str, torch.Tensor] = {}  # parameter -> this rank's gradient
+        self._data_meshes: dict[tuple[int, int], Any] = {}  # (mesh, module) -> data-parallel dims
 
     # -- gradient accumulation across calls -----------------------------------------------------
 
@@ -167,7 +172,8 @@ class CompiledStep:
             raise
         mesh = self._mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
         key = self._step_key(sa)
-        inputs = [sa.leaves[i] for i in sa.input_indices]
+        inputs = graph_inputs([sa.leaves[i] for i in sa.input_indices])
+        dp_mesh = self._data_mesh(mesh, sa)
         hparams = lifted_hparams(sa)
         fits = [k for k, e in enumerate(self._programs)
                 if e.static_key == key and e.guards_hold(inputs, hparams)]
@@ -184,7 +190,7 @@ class CompiledStep:
                                               running=choice)
                 try:
                     with torch.no_grad(), agreement_in_flight(pending):
-                        return self._programs[choice](sa, mesh, hparams, self._accumulated)
+                        return self._programs[choice](sa, dp_mesh, hparams, self._accumulated)
                 except Redispatch as r:
                     choice = r.choice
             else:
@@ -193,7 +199,20 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            return entry(sa, mesh, hparams, self._accumulated)
+            return entry(sa, dp_mesh, hparams, self._accumulated)
+
+    def _data_mesh(self, mesh, sa: StepArgs):
+        """The dims of ``mesh`` left to data parallelism once a tensor-parallel plan's are taken
+        out (None: the plan uses them all); spmd_compiler/tensor_parallel.py. Raises before any
+        state changes when the plan does not fit the mesh."""
+        key = (id(mesh), id(sa.module))
+        if key not in self._data_meshes:
+            dp_mesh = data_parallel_mesh(mesh, sa.module, [sa.leaves[i] for i in sa.input_indices],
+                                         self.data_parallel_given)
+            if dp_mesh is not None and dp_mesh is not mesh:
+                check_mesh(self.parallel_mode, dp_mesh)
+            self._data_meshes[key] = dp_mesh
+        return self._data_meshes[key]
 
     def _mesh(self, device: torch.device):
         """The step's mesh: the one given, else the 1-D mesh over the default group."""
@@ -222,8 +241,9 @@ class CompiledStep:
                 traced, runnable, guard_code, seconds, graph, num_nodes = self._unpack(stored)
                 summary = stored.summary
             else:
+                dp_mesh = self._data_mesh(mesh, sa)
                 gm, traced, guard_code, seconds, runnable = self._build(
-                    sa, mesh_dims(mesh), key, dynamic, why)
+                    sa, mesh_dims(dp_mesh) if dp_mesh is not None else [], key, dynamic, why)
                 graph, num_nodes = describe_graph(gm), len(gm.graph.nodes)
             description = describe_program(sa, graph, traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
@@ -237,9 +257,13 @@ class CompiledStep:
             retain_host_memory()
         start = time.perf_counter()
         # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
-        place_state(sa.module, sa.optimizers, mesh, self.parallel_mode.parallel_style in SHARDED_STYLES,
-                    self.parallel_mode.param_init_fn, torch.device(mesh.device_type))
-        attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
+        dp_mesh = self._data_mesh(mesh, sa)
+        if dp_mesh is not None:  # tensor parallelism alone: the plan placed everything
+            place_state(sa.module, sa.optimizers, dp_mesh,
+                        self.parallel_mode.parallel_style in SHARDED_STYLES,
+                        self.parallel_mode.param_init_fn, torch.device(mesh.device_type))
+            if dp_mesh is mesh:  # model(x), generate(), load_state_dict outside the step
+                attach_eager_use(sa.module, mesh)
         key = self._step_key(sa)
         entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager",
@@ -721,12 +745,11 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             inner dim and replicated over the outer. Only the mesh's ranks call the step.
             Default: a 1-D mesh over the whole default process group.
     """
-    mode = parallel_mode or DataParallel("replicate")
     if mesh is not None:
-        check_mesh(mode, mesh)
+        check_mesh(parallel_mode or DataParallel("replicate"), mesh)
 
     def decorate(fn: Callable) -> CompiledStep:
-        return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
+        return CompiledStep(fn, parallel_mode, backend=backend, dump_dir=dump_dir,
                             gm_transformation=gm_transformation, check_ranks=check_ranks,
                             retain_host_memory=retain_host_memory, cache_dir=cache_dir, mesh=mesh)
 

@@ -60,6 +60,7 @@ from .errors import (
 from .trace_values import ReadConstantValues
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
+from . import tensor_parallel as tp
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -407,7 +408,7 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
     def on_grad(fqn):
         def hook(t):
             mode = get_proxy_mode()
-            node = get_proxy_slot(t.grad, mode.tracer).proxy.node
+            node = get_proxy_slot(tp.local_of(t.grad), mode.tracer).proxy.node
             grad_nodes[fqn] = node
 
         return hook
@@ -522,8 +523,9 @@ def record(fn: Callable, module: torch.nn.Module, source_files: set[str] | None 
 
 
 def _global_meta(t: torch.Tensor):
-    """(shape, dtype, device) of a tensor; for a DTensor the global (logical) ones."""
-    return tuple(t.shape), t.dtype, t.device
+    """(shape, dtype, device) of a tensor as the graph holds it: for a DTensor placed by data
+    parallelism the global (logical) ones; for a tensor-parallel one its local shard's shape."""
+    return tp.traced_shape(t), t.dtype, t.device
 
 
 def trace_step(
@@ -669,7 +671,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     fake_params = [fake_static(p).requires_grad_(p.requires_grad) for p in unique_params]
     fake_buffers = [fake_static(b) for b in unique_buffers]
 
-    state_keys, state_fakes = [], {}
+    state_keys, state_fakes, live_states = [], {}, []
     for opt in sa.optimizers:
         for p, st in opt.state.items():
             for k, v in st.items():
@@ -677,6 +679,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                     key = (fqn_of[id(p)], k)
                     state_keys.append(key)
                     state_fakes[key] = fake_static(v)
+                    live_states.append(v)
     for opt in sa.optimizers:
         for g in opt.param_groups:
             for name in LIFTED_HPARAMS:
@@ -720,6 +723,10 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     def stateless_step(*flat):
         params, buffers, states, lifted, inputs = _split(flat, counts)
         inputs, grads = inputs[:len(fake_inputs)], inputs[len(fake_inputs):]
+        # tensor-parallel parameters, states and inputs: DTensors around their local shards
+        params = [tp.as_planned(fp, p) for fp, p in zip(params, unique_params)]
+        states = [tp.as_planned(fs, s) for fs, s in zip(states, live_states)]
+        inputs = [tp.input_as_planned(fi, sa.leaves[i]) for fi, i in zip(inputs, sa.input_indices)]
         leaves = list(sa.leaves)
         for i, t in zip(sa.input_indices, inputs):
             leaves[i] = t
@@ -753,14 +760,14 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                                 f"parameter {fqn!r}; only tensor optimizer state is supported."
                             )
                         created.append((fqn, k))
-                        new_states.append(v)
+                        new_states.append(tp.local_of(v))
         out_leaves, out_spec = pytree.tree_flatten(out)
         out_info["spec"] = out_spec
         out_info["constants"] = {
             j: v for j, v in enumerate(out_leaves)
             if not isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
         }
-        traced_out = [v for j, v in enumerate(out_leaves) if j not in out_info["constants"]]
+        traced_out = [tp.local_of(v) for j, v in enumerate(out_leaves) if j not in out_info["constants"]]
         out_info["n"] = len(traced_out)
         return traced_out + new_states + grads_out
 
@@ -793,6 +800,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         raise TraceError(_describe_trace_failure(e)) from e
 
     remove_profiler_nodes(gm)
+    tp.mark_plan_collectives(gm)
     _check_matmul_dtypes(gm)
     _annotate(
         gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, len(hparams), sa,
@@ -850,7 +858,7 @@ def _fake_inputs(fake_mode: FakeTensorMode, sa: StepArgs,
     length equal to the batch size is not taken for the batch); other dims are static."""
     out = []
     for i, b in zip(sa.input_indices, sa.batch_dims):
-        t = sa.leaves[i]
+        t = tp.local_of(sa.leaves[i])
         dynamic = set(dynamic_dims.get(i, ())) | ({b} if b is not None else set())
         ctx = StatelessSymbolicContext(dynamic_sizes=[
             DimDynamic.DYNAMIC if j in dynamic else DimDynamic.STATIC for j in range(t.dim())])

@@ -1,0 +1,218 @@
+"""Tensor parallelism from torch's own plans, inside the compiled step.
+
+The user applies ``parallelize_module`` / ``distribute_module`` / ``distribute_tensor`` before
+compiling; parameters (and inputs) are then DTensors on a tensor-parallel mesh (the *plan*). The
+step is recorded with each such tensor's local shard as a plain graph placeholder, wrapped back
+into a DTensor with the plan's spec inside the recorded function: DTensor's own sharding
+propagation runs while recording, and the graph holds plain local aten ops plus the functional
+collectives DTensor issues (as torchtitan's graph_trainer records). No rule of our own decides a
+tensor-parallel layout.
+
+Data parallelism is then added over the mesh dims the plan does not use (``dp_mesh``): the graph's
+parameter placeholders are the tensor-parallel local shards, and the placement-driven expansion
+shards or replicates them over the data-parallel dims as it does a plain parameter. After the first
+call a parameter is a DTensor on the whole mesh with the data-parallel placement stacked before the
+plan's, as FSDP2 stacks them on a TP'd model: ``Shard(0)`` (``_StridedShard(0, split_factor=k)``
+where the plan also shards dim 0 in ``k`` pieces) or ``Replicate()``, then the plan's placements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .errors import SPMDError
+from spmd_compiler.passes import meta
+
+
+class TensorParallelError(SPMDError):
+    """A tensor-parallel plan that does not fit the step's mesh or data-parallel mode."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A tensor's tensor-parallel layout: the plan's DTensorSpec (mesh, placements, global shape
+    and stride) and the shape of this rank's shard, which is what the step graph holds."""
+
+    spec: DTensorSpec
+    local_shape: tuple[int, ...]
+
+
+def plan_of(t: Any) -> Plan | None:
+    """The tensor-parallel layout of a parameter, optimizer state or input, if it has one: a
+    DTensor the user placed (not one data parallelism alone placed), or one placed here on top
+    of a plan."""
+    if not isinstance(t, DTensor):
+        return None
+    plan = getattr(t, "_spmd_plan", None)
+    if plan is not None:
+        return plan
+    if hasattr(t, "_spmd_buffer"):  # placed by data parallelism alone
+        return None
+    return Plan(t._spec, tuple(t._local_tensor.shape))
+
+
+def has_plan(module: torch.nn.Module) -> bool:
+    return any(plan_of(p) is not None for p in module.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording
+
+
+def traced_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape the step graph holds for ``t``: a planned tensor's local shard, else the
+    global shape."""
+    plan = plan_of(t)
+    return plan.local_shape if plan is not None else tuple(t.shape)
+
+
+def as_planned(fake_local: torch.Tensor, live: Any) -> torch.Tensor:
+    """Inside the recording: the DTensor of the plan of ``live`` around the graph placeholder
+    ``fake_local`` (a leaf requiring grad when ``fake_local`` does), or ``fake_local`` itself."""
+    plan = plan_of(live)
+    if plan is None:
+        return fake_local
+    grad = fake_local.requires_grad
+    return DTensor(fake_local.detach() if grad else fake_local, plan.spec, requires_grad=grad)
+
+
+def input_as_planned(fake_local: torch.Tensor, live: Any) -> torch.Tensor:
+    """Inside the recording: a DTensor input rebuilt around its local placeholder (its batch dim
+    may be symbolic, so the global shape is the local one with every sharded dim's global size)."""
+    if not isinstance(live, DTensor):
+        return fake_local
+    shape = list(fake_local.shape)
+    for p in live.placements:
+        if p.is_shard():
+            shape[p.dim] = live.shape[p.dim]
+    return DTensor.from_local(fake_local, live.device_mesh, live.placements, run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc = acc * s
+    return tuple(reversed(stride))
+
+
+def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:
+    """Writes MODEL_PARALLEL (the process group) on every functional collective and wait the
+    recording holds: the step's own (DTensor's), not data parallelism's."""
+    group_of = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "_c10d_functional":
+            continue
+        if node.target is torch.ops._c10d_functional.wait_tensor.default:
+            group = group_of.get(node.args[0])
+        else:
+            group = next((a for a in reversed(node.args) if isinstance(a, str)), None)
+        if group is not None:
+            group_of[node] = group
+            node.meta[meta.MODEL_PARALLEL] = group
+
+
+def local_of(t: Any) -> Any:
+    """A DTensor's local tensor (what the graph computes), anything else as is."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def graph_inputs(inputs: list) -> list:
+    """The step's batch leaves as the graph takes them: a DTensor input by its local shard."""
+    return [local_of(t) for t in inputs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Meshes
+
+
+def data_parallel_mesh(mesh: DeviceMesh, module: torch.nn.Module, inputs: list,
+                       data_parallel_given: bool) -> DeviceMesh | None:
+    """The mesh dims left to data parallelism once the plan's are taken out: ``mesh`` itself
+    without a plan, None when the plan uses every dim (tensor parallelism alone).
+
+    Raises a TensorParallelError (before any state changes) when a plan's mesh is not ``mesh``
+    nor a named dim of it, when plans disagree on their mesh, or when ``DataParallel`` was asked
+    for but the plan uses every dim."""
+    meshes = {}
+    for name, p in module.named_parameters():
+        plan = plan_of(p)
+        if plan is not None:
+            meshes.setdefault(_mesh_key(plan.spec.mesh), (plan.spec.mesh, f"parameter {name!r}"))
+    for k, t in enumerate(inputs):
+        if isinstance(t, DTensor):
+            meshes.setdefault(_mesh_key(t.device_mesh), (t.device_mesh, f"input {k}"))
+    if not meshes:
+        return mesh
+    if len(meshes) > 1:
+        found = "; ".join(f"{what} on {m}" for m, what in meshes.values())
+        raise TensorParallelError(
+            f"the tensor-parallel plans use different meshes ({found}); place every planned "
+            f"parameter and input on one mesh (one dim of the step's mesh)")
+    plan_mesh, what = next(iter(meshes.values()))
+    if _mesh_key(plan_mesh) == _mesh_key(mesh):
+        if data_parallel_given:
+            raise TensorParallelError(
+                f"DataParallel was asked for, but the tensor-parallel plan ({what} on "
+                f"{plan_mesh}) already uses every dim of the step's mesh {mesh}. Give a mesh with "
+                f"a data-parallel dim, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names="
+                f"('dp', 'tp')), parallelize over mesh['tp'] and compile with mesh=mesh; or drop "
+                f"DataParallel for tensor parallelism alone")
+        return None
+    names = plan_mesh.mesh_dim_names or ()
+    mine = mesh.mesh_dim_names or ()
+    if not names or not set(names) <= set(mine) or \
+            _mesh_key(mesh[names if len(names) > 1 else names[0]]) != _mesh_key(plan_mesh):
+        raise TensorParallelError(
+            f"the tensor-parallel plan's mesh ({what} on {plan_mesh}) is not a dim of the "
+            f"step's mesh {mesh}: parallelize over a named dim of the mesh given to "
+            f"spmd_compile(mesh=...), e.g. parallelize_module(model, mesh['tp'], plan)")
+    rest = tuple(n for n in mine if n not in names)
+    return mesh[rest if len(rest) > 1 else rest[0]]
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple:
+    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+            mesh.mesh_dim_names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Live state
+
+
+def stacked_placements(plan: Plan, sharded: bool) -> tuple:
+    """A planned parameter's placements on the whole mesh, data-parallel dim first, as FSDP2
+    stacks them on a TP'd parameter: ``Shard(0)`` (``_StridedShard(0, split_factor=k)`` when the
+    plan shards dim 0 in ``k`` pieces) or ``Replicate()``, then the plan's."""
+    if not sharded:
+        return (Replicate(),) + tuple(plan.spec.placements)
+    split = plan.spec.num_shards_map[0]
+    first = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    return (first,) + tuple(plan.spec.placements)
+
+
+def root_mesh(dp_mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
+    """The mesh of the data-parallel dims and the plan's, data-parallel first."""
+    return DeviceMesh._concatenate([dp_mesh, plan.spec.mesh])
+
+
+def planned_dtensor(local: torch.Tensor, plan: Plan, dp_mesh: DeviceMesh | None,
+                    sharded: bool) -> DTensor:
+    """``local`` (this rank's piece of a planned tensor) as a DTensor with the plan's global
+    shape: on the plan's mesh, or on the whole mesh with the data-parallel placement first."""
+    spec = plan.spec
+    if dp_mesh is None:
+        dt = DTensor(local, spec, requires_grad=False)
+    else:
+        dt = DTensor.from_local(local, root_mesh(dp_mesh, plan), stacked_placements(plan, sharded),
+                                run_check=False, shape=spec.shape, stride=spec.stride)
+    dt._spmd_plan = plan
+    return dt

@@ -1,0 +1,127 @@
+"""Tensor parallelism from torch's own plans inside the compiled step (seed 004, ported to
+CPU/gloo): the compiled step against eager DTensor TP and against a single-device copy, over
+several Adam steps, every parameter and optimizer state compared; collective counts against
+CommDebugMode's count of the eager step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multirank import ParityChecker
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 3
+
+
+def mse_adam_step(model, optim, x, y, scale=1.0):
+    optim.zero_grad()
+    loss = ((model(x) - y) ** 2).mean() * scale
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def full(t):
+    """The whole tensor of a parameter or state, on every rank (a collective for a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def compare_models(chk: ParityChecker, name: str, model, opt, ref_model, ref_opt) -> None:
+    """Every parameter and optimizer state of ``model``/``opt`` against the reference's, whole."""
+    ref_params = dict(ref_model.named_parameters())
+    for fqn, p in model.named_parameters():
+        chk.close("param", f"{name} {fqn}", full(p.detach()), full(ref_params[fqn].detach()))
+        st, ref_st = opt.state[p], ref_opt.state[ref_params[fqn]]
+        chk.check(set(st) == set(ref_st), f"{name} {fqn}: states {sorted(st)} vs {sorted(ref_st)}")
+        for k in ref_st:
+            if k in st:
+                chk.close("state", f"{name} {fqn} {k}", full(st[k]), full(ref_st[k]))
+
+
+def collective_nodes(step) -> dict[str, int]:
+    """Collectives in the last compiled graph, by name (issue nodes, not waits)."""
+    counts: dict[str, int] = {}
+    for n in step.last_compiled.traced.gm.graph.nodes:
+        if n.op == "call_function" and "c10d" in str(n.target) and "wait" not in str(n.target):
+            name = str(n.target).split(".")[-2]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def eager_counts(fn) -> dict[str, int]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        fn()
+    return {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items() if v}
+
+
+# --------------------------------------------------------------------------------------------------
+# TP alone: the MLP with ColwiseParallel + RowwiseParallel (seed 004's test_mlp_training)
+# --------------------------------------------------------------------------------------------------
+
+
+def mlp_tp_job(is_seq_parallel: bool = False):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
+
+    from spmd_compiler import spmd_compile
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    base = MLPModule("cpu")
+    if is_seq_parallel:
+        plan = {"net1": ColwiseParallel(input_layouts=Shard(0)),
+                "net2": RowwiseParallel(output_layouts=Shard(0))}
+    else:
+        plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    single = copy.deepcopy(base)
+    eager = parallelize_module(copy.deepcopy(base), mesh, plan)
+    compiled = parallelize_module(copy.deepcopy(base), mesh, plan)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (single, eager, compiled)]
+    step = spmd_compile(mesh=mesh)(mse_adam_step)
+    chk = ParityChecker()
+    counts = {}
+    for i in range(STEPS):
+        torch.manual_seed(100 + i)  # the same batch on every rank, as torch's TP tests
+        x, y = torch.rand(8, 10), torch.rand(8, 10)
+        if is_seq_parallel:  # each rank passes its rows; the single-device copy sees them all
+            rows = x.shape[0] // mesh.size()
+            lx, ly = (t[mesh.get_local_rank() * rows:][:rows] for t in (x, y))
+        else:
+            lx, ly = x, y
+        # sequence parallel: each rank's loss is the mean over its rows, and the gradients the
+        # plan's collectives produce are those of their sum over ranks
+        ref_loss = mse_adam_step(single, opts[0], x, y, mesh.size() if is_seq_parallel else 1.0)
+        counts["eager"] = eager_counts(lambda: mse_adam_step(eager, opts[1], lx, ly))
+        loss = step(compiled, opts[2], lx, ly)
+        if not is_seq_parallel:
+            chk.close("loss", f"step {i} loss", loss, ref_loss)
+    compare_models(chk, "vs eager TP", compiled, opts[2], eager, opts[1])
+    compare_models(chk, "vs single device", compiled, opts[2], single, opts[0])
+    counts["compiled"] = collective_nodes(step)
+    placements = {n: (type(p).__name__, tuple(p.placements)) for n, p in compiled.named_parameters()}
+    return dict(problems=chk.problems, max_err=chk.max_err, counts=counts, placements=placements)
+
+
+@pytest.mark.parametrize("is_seq_parallel", [False, True])
+def test_mlp_tp_alone(pool2, is_seq_parallel):
+    reps = pool2.run(mlp_tp_job, is_seq_parallel, timeout=300)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    counts = reps[0]["counts"]
+    # no more collectives than eager DTensor TP (seed 004: the MLP's forward is one all_reduce)
+    assert sum(counts["compiled"].values()) <= sum(counts["eager"].values()), counts
+    if not is_seq_parallel:
+        assert counts["compiled"] == {"all_reduce": 1}, counts
+    p = reps[0]["placements"]
+    assert p["net1.weight"][0] == "DTensor" and "Shard(dim=0)" in str(p["net1.weight"][1]), p
