@@ -499,7 +499,7 @@ def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh
 def _planned_state(buffer: torch.Tensor, param: DTensor, plan: "tp.Plan",
                    mesh: DeviceMesh | None) -> torch.Tensor:
     """A state the graph created for a tensor-parallel parameter, placed like the parameter."""
-    sharded = mesh is not None and any(p.is_shard() for p in param.placements[:mesh.ndim])
+    sharded = mesh is not None and tp.dp_sharded(param, mesh)
     layout = Layout(plan.local_shape, sharded, shard_size(mesh) if mesh is not None else 1)
     if tuple(buffer.shape) != layout.padded_shape():
         return buffer

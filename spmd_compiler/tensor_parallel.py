@@ -75,12 +75,12 @@ def traced_shape(t: torch.Tensor) -> tuple[int, ...]:
 
 def as_planned(fake_local: torch.Tensor, live: Any) -> torch.Tensor:
     """Inside the recording: the DTensor of the plan of ``live`` around the graph placeholder
-    ``fake_local`` (a leaf requiring grad when ``fake_local`` does), or ``fake_local`` itself."""
+    ``fake_local`` (a leaf requiring grad when ``live`` does), or ``fake_local`` itself. The
+    optimizer updates the placeholder itself in place, so nothing may stand between them."""
     plan = plan_of(live)
     if plan is None:
         return fake_local
-    grad = fake_local.requires_grad
-    return DTensor(fake_local.detach() if grad else fake_local, plan.spec, requires_grad=grad)
+    return DTensor(fake_local, plan.spec, requires_grad=live.requires_grad)
 
 
 def input_as_planned(fake_local: torch.Tensor, live: Any) -> torch.Tensor:
@@ -197,6 +197,11 @@ def stacked_placements(plan: Plan, sharded: bool) -> tuple:
     split = plan.spec.num_shards_map[0]
     first = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
     return (first,) + tuple(plan.spec.placements)
+
+
+def dp_sharded(param: DTensor, dp_mesh: DeviceMesh) -> bool:
+    """Is a placed tensor-parallel parameter sharded over the data-parallel dims?"""
+    return any(isinstance(p, (Shard, _StridedShard)) for p in param.placements[:dp_mesh.ndim])
 
 
 def root_mesh(dp_mesh: DeviceMesh, plan: Plan) -> DeviceMesh:

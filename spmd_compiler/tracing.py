@@ -668,7 +668,10 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         with fake_mode:
             return torch.empty(shape, dtype=dtype, device=device)
 
-    fake_params = [fake_static(p).requires_grad_(p.requires_grad) for p in unique_params]
+    # a tensor-parallel parameter's placeholder is its local shard; the DTensor around it is the
+    # leaf that requires grad (tensor_parallel.as_planned)
+    fake_params = [fake_static(p).requires_grad_(p.requires_grad and tp.plan_of(p) is None)
+                   for p in unique_params]
     fake_buffers = [fake_static(b) for b in unique_buffers]
 
     state_keys, state_fakes, live_states = [], {}, []

@@ -125,3 +125,73 @@ def test_mlp_tp_alone(pool2, is_seq_parallel):
         assert counts["compiled"] == {"all_reduce": 1}, counts
     p = reps[0]["placements"]
     assert p["net1.weight"][0] == "DTensor" and "Shard(dim=0)" in str(p["net1.weight"][1]), p
+
+
+# --------------------------------------------------------------------------------------------------
+# Data parallel x tensor parallel on a 2 x 2 mesh
+# --------------------------------------------------------------------------------------------------
+
+
+def dp_averaged_step(model, optim, x, y, group):
+    """Eager TP with each gradient averaged over the data-parallel group (DDP over TP)."""
+    optim.zero_grad()
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    for p in model.parameters():
+        local = p.grad.to_local()
+        dist.all_reduce(local, group=group)
+        local.div_(dist.get_world_size(group))
+    optim.step()
+    return loss
+
+
+def dp_tp_job(style: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    torch.manual_seed(0)
+    base = MLPModule("cpu")
+    eager = parallelize_module(copy.deepcopy(base), mesh["tp"], plan)
+    if style == "fully_shard":
+        fully_shard(eager, mesh=mesh["dp"])
+    compiled = parallelize_module(copy.deepcopy(base), mesh["tp"], plan)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    step = spmd_compile(DataParallel(style), mesh=mesh)(mse_adam_step)
+    chk = ParityChecker()
+    dp_rank = mesh["dp"].get_local_rank()
+    for i in range(STEPS):
+        torch.manual_seed(100 + i + 1000 * dp_rank)  # each dp rank its own batch
+        x, y = torch.rand(8, 10), torch.rand(8, 10)
+        if style == "fully_shard":
+            ref = mse_adam_step(eager, opts[0], x, y)
+        else:
+            ref = dp_averaged_step(eager, opts[0], x, y, mesh["dp"].get_group())
+        loss = step(compiled, opts[1], x, y)
+        chk.close("loss", f"step {i} loss", loss, ref)
+    compare_models(chk, f"vs eager {style}", compiled, opts[1], eager, opts[0])
+    placements = {}
+    for (n, p), (_, q) in zip(compiled.named_parameters(), eager.named_parameters()):
+        placements[n] = (str(p.placements), p.device_mesh.mesh_dim_names, tuple(p.to_local().shape))
+        if style == "fully_shard":  # as FSDP2 places a TP'd parameter
+            chk.check(p.placements == q.placements and p.to_local().shape == q.to_local().shape,
+                      f"{n}: {p.placements} {tuple(p.to_local().shape)} vs FSDP2's "
+                      f"{q.placements} {tuple(q.to_local().shape)}")
+    return dict(problems=chk.problems, max_err=chk.max_err, placements=placements,
+                counts=collective_nodes(step))
+
+
+@pytest.mark.parametrize("style", ["fully_shard", "replicate"])
+def test_dp_x_tp(pool4, style):
+    reps = pool4.run(dp_tp_job, style, timeout=600)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    p = reps[0]["placements"]
+    assert p["net2.weight"][1] == ("dp", "tp"), p
+    want = "(Shard(dim=0), Shard(dim=1))" if style == "fully_shard" else "(Replicate(), Shard(dim=1))"
+    assert p["net2.weight"][0] == want, p
