@@ -44,17 +44,26 @@ class Plan:
     local_shape: tuple[int, ...]
 
 
-def plan_of(t: Any) -> Plan | None:
+# the meshes data parallelism alone placed tensors on (runtime.place_state): a DTensor there is
+# not a tensor-parallel plan
+_DATA_PARALLEL_MESHES: set[DeviceMesh] = set()  # (hashed without tensor ops: safe while recording)
+
+
+def note_data_parallel_mesh(mesh: DeviceMesh) -> None:
+    _DATA_PARALLEL_MESHES.add(mesh)
+
+
+def plan_of(t: Any, owner: Any = None) -> Plan | None:
     """The tensor-parallel layout of a parameter, optimizer state or input, if it has one: a
     DTensor the user placed (not one data parallelism alone placed), or one placed here on top
-    of a plan."""
-    if not isinstance(t, DTensor):
+    of a plan. An optimizer state (``owner``: its parameter) has one only if its parameter has."""
+    if not isinstance(t, DTensor) or (owner is not None and plan_of(owner) is None):
         return None
     plan = getattr(t, "_spmd_plan", None)
     if plan is not None:
         return plan
-    if hasattr(t, "_spmd_buffer"):  # placed by data parallelism alone
-        return None
+    if hasattr(t, "_spmd_buffer") or t.device_mesh in _DATA_PARALLEL_MESHES:
+        return None  # placed by data parallelism alone
     return Plan(t._spec, tuple(t._local_tensor.shape))
 
 
@@ -66,18 +75,19 @@ def has_plan(module: torch.nn.Module) -> bool:
 # Recording
 
 
-def traced_shape(t: torch.Tensor) -> tuple[int, ...]:
-    """The shape the step graph holds for ``t``: a planned tensor's local shard, else the
-    global shape."""
-    plan = plan_of(t)
+def traced_shape(t: torch.Tensor, owner: Any = None) -> tuple[int, ...]:
+    """The shape the step graph holds for ``t`` (an optimizer state of parameter ``owner``): a
+    planned tensor's local shard, else the global shape."""
+    plan = plan_of(t, owner)
     return plan.local_shape if plan is not None else tuple(t.shape)
 
 
-def as_planned(fake_local: torch.Tensor, live: Any) -> torch.Tensor:
-    """Inside the recording: the DTensor of the plan of ``live`` around the graph placeholder
-    ``fake_local`` (a leaf requiring grad when ``live`` does), or ``fake_local`` itself. The
-    optimizer updates the placeholder itself in place, so nothing may stand between them."""
-    plan = plan_of(live)
+def as_planned(fake_local: torch.Tensor, live: Any, owner: Any = None) -> torch.Tensor:
+    """Inside the recording: the DTensor of the plan of ``live`` (an optimizer state of
+    parameter ``owner``) around the graph placeholder ``fake_local`` (a leaf requiring grad when
+    ``live`` does), or ``fake_local`` itself. The optimizer updates the placeholder itself in
+    place, so nothing may stand between them."""
+    plan = plan_of(live, owner)
     if plan is None:
         return fake_local
     return DTensor(fake_local, plan.spec, requires_grad=live.requires_grad)
@@ -102,6 +112,11 @@ def _contiguous_stride(shape) -> tuple:
         stride.append(acc)
         acc = acc * s
     return tuple(reversed(stride))
+
+
+def mixes_dtensors(tensors) -> bool:
+    """Are some of ``tensors`` DTensors and some not (a plan that leaves parameters plain)?"""
+    return len({isinstance(t, DTensor) for t in tensors}) > 1
 
 
 def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:
@@ -180,8 +195,8 @@ def data_parallel_mesh(mesh: DeviceMesh, module: torch.nn.Module, inputs: list,
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple:
-    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
-            mesh.mesh_dim_names)
+    """The ranks of ``mesh`` (this rank's), whatever its dims are named."""
+    return mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -368,6 +368,8 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
 
     if type(opt) not in FUSABLE_OPTIMIZERS or group.get("differentiable") or group.get("capturable"):
         return False
+    if tp.mixes_dtensors(group["params"]):  # one fused kernel cannot take both
+        return False
     if group.get("fused"):
         return True
     devices = _get_fused_kernels_supported_devices()
@@ -522,10 +524,11 @@ def record(fn: Callable, module: torch.nn.Module, source_files: set[str] | None 
     return run
 
 
-def _global_meta(t: torch.Tensor):
-    """(shape, dtype, device) of a tensor as the graph holds it: for a DTensor placed by data
-    parallelism the global (logical) ones; for a tensor-parallel one its local shard's shape."""
-    return tp.traced_shape(t), t.dtype, t.device
+def _global_meta(t: torch.Tensor, owner: torch.Tensor | None = None):
+    """(shape, dtype, device) of a tensor (an optimizer state of parameter ``owner``) as the
+    graph holds it: for a DTensor placed by data parallelism the global (logical) ones; for a
+    tensor-parallel one its local shard's shape."""
+    return tp.traced_shape(t, owner), t.dtype, t.device
 
 
 def trace_step(
@@ -662,8 +665,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     home = next((t.device for t in (*unique_params, *unique_buffers) if not t.is_meta),
                 next((sa.leaves[i].device for i in sa.input_indices), torch.device("cpu")))
 
-    def fake_static(t):
-        shape, dtype, device = _global_meta(t)
+    def fake_static(t, owner=None):
+        shape, dtype, device = _global_meta(t, owner)
         device = home if device.type == "meta" else device
         with fake_mode:
             return torch.empty(shape, dtype=dtype, device=device)
@@ -681,8 +684,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                 if isinstance(v, torch.Tensor):
                     key = (fqn_of[id(p)], k)
                     state_keys.append(key)
-                    state_fakes[key] = fake_static(v)
-                    live_states.append(v)
+                    state_fakes[key] = fake_static(v, p)
+                    live_states.append((v, p))
     for opt in sa.optimizers:
         for g in opt.param_groups:
             for name in LIFTED_HPARAMS:
@@ -728,7 +731,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         inputs, grads = inputs[:len(fake_inputs)], inputs[len(fake_inputs):]
         # tensor-parallel parameters, states and inputs: DTensors around their local shards
         params = [tp.as_planned(fp, p) for fp, p in zip(params, unique_params)]
-        states = [tp.as_planned(fs, s) for fs, s in zip(states, live_states)]
+        states = [tp.as_planned(fs, s, p) for fs, (s, p) in zip(states, live_states)]
         inputs = [tp.input_as_planned(fi, sa.leaves[i]) for fi, i in zip(inputs, sa.input_indices)]
         leaves = list(sa.leaves)
         for i, t in zip(sa.input_indices, inputs):

@@ -64,53 +64,71 @@ def eager_counts(fn) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# TP alone: the MLP with ColwiseParallel + RowwiseParallel (seed 004's test_mlp_training)
+# TP alone: seed 004's models, each against eager DTensor TP and a single-device copy
 # --------------------------------------------------------------------------------------------------
 
 
-def mlp_tp_job(is_seq_parallel: bool = False):
+def tp_alone_parity(build, batch, step_fn, ref_scale: float = 1.0, local_batch=None) -> dict:
+    """``build(mesh)`` -> (single-device model, a function that parallelizes a copy of it);
+    ``batch(i)`` -> the step's tensors (the same on every rank); ``local_batch(tensors, mesh)``
+    -> this rank's part of them where the plan shards the input (sequence parallel).
+    Runs STEPS Adam steps on the three and compares every parameter and optimizer state."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
 
     from spmd_compiler import spmd_compile
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
-    base = MLPModule("cpu")
+    single, parallelize = build(mesh)
+    eager, compiled = parallelize(copy.deepcopy(single)), parallelize(copy.deepcopy(single))
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (single, eager, compiled)]
+    step = spmd_compile(mesh=mesh)(step_fn)
+    chk = ParityChecker()
+    counts = {}
+    for i in range(STEPS):
+        torch.manual_seed(100 + i)  # the same batch on every rank, as torch's TP tests
+        tensors = batch(i)
+        local = local_batch(tensors, mesh) if local_batch else tensors
+        ref_loss = step_fn(single, opts[0], *tensors, scale=ref_scale)
+        counts["eager"] = eager_counts(lambda: step_fn(eager, opts[1], *local))
+        loss = step(compiled, opts[2], *local)
+        if local_batch is None:
+            chk.close("loss", f"step {i} loss", full(loss), ref_loss)
+    compare_models(chk, "vs eager TP", compiled, opts[2], eager, opts[1])
+    compare_models(chk, "vs single device", compiled, opts[2], single, opts[0])
+    counts["compiled"] = collective_nodes(step)
+    placements = {n: (type(p).__name__, tuple(getattr(p, "placements", ()))) for n, p in compiled.named_parameters()}
+    return dict(problems=chk.problems, max_err=chk.max_err, counts=counts, placements=placements,
+                module=compiled)
+
+
+def _mlp(is_seq_parallel: bool):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
+
     if is_seq_parallel:
         plan = {"net1": ColwiseParallel(input_layouts=Shard(0)),
                 "net2": RowwiseParallel(output_layouts=Shard(0))}
     else:
         plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
-    single = copy.deepcopy(base)
-    eager = parallelize_module(copy.deepcopy(base), mesh, plan)
-    compiled = parallelize_module(copy.deepcopy(base), mesh, plan)
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (single, eager, compiled)]
-    step = spmd_compile(mesh=mesh)(mse_adam_step)
-    chk = ParityChecker()
-    counts = {}
-    for i in range(STEPS):
-        torch.manual_seed(100 + i)  # the same batch on every rank, as torch's TP tests
-        x, y = torch.rand(8, 10), torch.rand(8, 10)
-        if is_seq_parallel:  # each rank passes its rows; the single-device copy sees them all
-            rows = x.shape[0] // mesh.size()
-            lx, ly = (t[mesh.get_local_rank() * rows:][:rows] for t in (x, y))
-        else:
-            lx, ly = x, y
-        # sequence parallel: each rank's loss is the mean over its rows, and the gradients the
-        # plan's collectives produce are those of their sum over ranks
-        ref_loss = mse_adam_step(single, opts[0], x, y, mesh.size() if is_seq_parallel else 1.0)
-        counts["eager"] = eager_counts(lambda: mse_adam_step(eager, opts[1], lx, ly))
-        loss = step(compiled, opts[2], lx, ly)
-        if not is_seq_parallel:
-            chk.close("loss", f"step {i} loss", loss, ref_loss)
-    compare_models(chk, "vs eager TP", compiled, opts[2], eager, opts[1])
-    compare_models(chk, "vs single device", compiled, opts[2], single, opts[0])
-    counts["compiled"] = collective_nodes(step)
-    placements = {n: (type(p).__name__, tuple(p.placements)) for n, p in compiled.named_parameters()}
-    return dict(problems=chk.problems, max_err=chk.max_err, counts=counts, placements=placements)
+    return lambda mesh: (MLPModule("cpu"), lambda m: parallelize_module(m, mesh, plan))
+
+
+def _rows(tensors, mesh):
+    """This rank's rows (sequence parallel over dim 0)."""
+    n = tensors[0].shape[0] // mesh.size()
+    return [t[mesh.get_local_rank() * n:][:n] for t in tensors]
+
+
+def mlp_tp_job(is_seq_parallel: bool = False):
+    # sequence parallel: each rank's loss is the mean over its rows, and the gradients the plan's
+    # collectives produce are those of their sum over ranks
+    rep = tp_alone_parity(_mlp(is_seq_parallel), lambda i: (torch.rand(8, 10), torch.rand(8, 10)),
+                          mse_adam_step, ref_scale=dist.get_world_size() if is_seq_parallel else 1.0,
+                          local_batch=_rows if is_seq_parallel else None)
+    del rep["module"]
+    return rep
 
 
 @pytest.mark.parametrize("is_seq_parallel", [False, True])
@@ -119,12 +137,132 @@ def test_mlp_tp_alone(pool2, is_seq_parallel):
     for rank, rep in enumerate(reps):
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
     counts = reps[0]["counts"]
-    # no more collectives than eager DTensor TP (seed 004: the MLP's forward is one all_reduce)
-    assert sum(counts["compiled"].values()) <= sum(counts["eager"].values()), counts
+    # the eager step's collectives (seed 004: the MLP's forward is one all_reduce; sequence
+    # parallel's all_gather + reduce_scatter)
+    assert counts["compiled"] == counts["eager"], counts
     if not is_seq_parallel:
         assert counts["compiled"] == {"all_reduce": 1}, counts
     p = reps[0]["placements"]
     assert p["net1.weight"][0] == "DTensor" and "Shard(dim=0)" in str(p["net1.weight"][1]), p
+
+
+def token_ce_step(model, optim, tokens, target, scale=1.0):
+    import torch.nn.functional as F
+
+    optim.zero_grad()
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten()) * scale
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def transformer_job(use_seq_parallel: bool):
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    def build(mesh):
+        args = ModelArgs(dropout_p=0.0, n_layers=2, vocab_size=16, max_seq_len=8, dim=16)
+        return Transformer(args), lambda m: Transformer.parallelize(
+            m, mesh, use_seq_parallel, local_output_for_attn=True)
+
+    rep = tp_alone_parity(build, lambda i: (torch.randint(16, (4, 8)), torch.randint(16, (4, 8))),
+                          token_ce_step)
+    m = rep.pop("module")
+    rep["tied"] = m.output.weight is m.tok_embeddings.weight
+    return rep
+
+
+@pytest.mark.parametrize("use_seq_parallel", [False, True])
+def test_transformer_tp_alone(pool2, use_seq_parallel):
+    reps = pool2.run(transformer_job, use_seq_parallel, timeout=600)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+        assert rep["tied"], "output.weight is no longer tok_embeddings.weight"
+    counts = reps[0]["counts"]
+    assert sum(counts["compiled"].values()) <= sum(counts["eager"].values()), counts
+
+
+class TiedModule(torch.nn.Module):
+    """Seed 004's test_weight_tying module."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.embedding = torch.nn.Embedding(16, 8)
+        torch.manual_seed(2)
+        self.fc = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.fc(self.embedding(x))
+
+
+def weight_tying_job():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def build(mesh):
+        def parallelize(m):
+            parallelize_module(m, mesh, {"embedding": ColwiseParallel(), "fc": RowwiseParallel()})
+            m.fc.weight = m.embedding.weight  # tied after parallelizing, as the seed does
+            return m
+
+        single = TiedModule()
+        single.fc.weight = single.embedding.weight
+        return single, parallelize
+
+    rep = tp_alone_parity(build, lambda i: (torch.randint(16, (5,)), torch.rand(5, 16)),
+                          mse_adam_step)
+    m = rep.pop("module")
+    rep["tied"] = m.fc.weight is m.embedding.weight
+    return rep
+
+
+def test_weight_tying(pool2):
+    reps = pool2.run(weight_tying_job, timeout=300)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+        assert rep["tied"], "the tie did not survive the compiled steps"
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.head(self.embedding(x))
+
+
+def loss_parallel_step(model, optim, x, target, scale=1.0):
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    optim.zero_grad()
+    with loss_parallel():
+        loss = F.cross_entropy(model(x), target) * scale
+        loss.backward()
+    optim.step()
+    return loss
+
+
+def loss_parallel_job():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"embedding": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    rep = tp_alone_parity(lambda mesh: (Classifier(), lambda m: parallelize_module(m, mesh, plan)),
+                          lambda i: (torch.randint(16, (6,)), torch.randint(16, (6,))),
+                          loss_parallel_step)
+    del rep["module"]
+    return rep
+
+
+def test_loss_parallel(pool2):
+    reps = pool2.run(loss_parallel_job, timeout=300)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    counts = reps[0]["counts"]
+    assert sum(counts["compiled"].values()) <= sum(counts["eager"].values()), counts
 
 
 # --------------------------------------------------------------------------------------------------
