@@ -90,7 +90,10 @@ def as_planned(fake_local: torch.Tensor, live: Any, owner: Any = None) -> torch.
     plan = plan_of(live, owner)
     if plan is None:
         return fake_local
-    return DTensor(fake_local, plan.spec, requires_grad=live.requires_grad)
+    dt = DTensor(fake_local, plan.spec, requires_grad=live.requires_grad)
+    for hook in (getattr(live, "_backward_hooks", None) or {}).values():
+        dt.register_hook(hook)  # e.g. seed 000's gradient redistribute hook
+    return dt
 
 
 def input_as_planned(fake_local: torch.Tensor, live: Any) -> torch.Tensor:
@@ -117,6 +120,20 @@ def _contiguous_stride(shape) -> tuple:
 def mixes_dtensors(tensors) -> bool:
     """Are some of ``tensors`` DTensors and some not (a plan that leaves parameters plain)?"""
     return len({isinstance(t, DTensor) for t in tensors}) > 1
+
+
+_FUSED_KERNELS = {torch.optim.SGD: torch.ops.aten._fused_sgd_.tensor_lr,
+                  torch.optim.Adam: torch.ops.aten._fused_adam_.tensor_lr,
+                  torch.optim.AdamW: torch.ops.aten._fused_adamw_.tensor_lr}
+
+
+def dtensor_fuses(opt: torch.optim.Optimizer) -> bool:
+    """Does DTensor have a sharding rule for ``opt``'s fused kernel (the one the recording calls
+    with a tensor learning rate)?"""
+    op = _FUSED_KERNELS.get(type(opt))
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return op is not None and any(op in table for table in (
+        prop.op_strategy_funcs, prop.op_to_rules, prop.op_single_dim_strategy_funcs))
 
 
 def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:

@@ -61,6 +61,7 @@ from .trace_values import ReadConstantValues
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
 from . import tensor_parallel as tp
+from .halo_conv import halo_convolution
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -370,6 +371,8 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
         return False
     if tp.mixes_dtensors(group["params"]):  # one fused kernel cannot take both
         return False
+    if tp.mixes_dtensors(group["params"] + [None]) and not tp.dtensor_fuses(opt):
+        return False  # DTensor parameters, and DTensor has no rule for this fused kernel
     if group.get("fused"):
         return True
     devices = _get_fused_kernels_supported_devices()
@@ -784,7 +787,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True), \
-                faster_symbolic_recording(), size_oblivious_reshape():
+                faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution():
             gm = record(stateless_step, module, source_files)(
                 *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
                 *fake_inputs, *fake_grads,
