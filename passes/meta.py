@@ -68,3 +68,30 @@ NOTES = "spmd_notes"
 # list[str]: the process group name of each mesh dim, outermost first (passes/expand.py), so a
 # collective's group names the mesh dim it runs on.
 MESH_DIMS = "spmd_mesh_dims"
+
+
+class MetaContractError(AssertionError):
+    """A stage left the graph without a ``node.meta`` key the contract promises."""
+
+
+def check(gm, stage: str) -> None:
+    """The meta contract after ``stage``: REGION on every node but the output, a ``val`` on
+    every placeholder and call (but ops that return nothing),
+    and ROLE == COLLECTIVE on every functional collective and wait. Raises MetaContractError
+    naming the stage and the first nodes that break it."""
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if REGION not in node.meta:
+            problems.append(f"{node.name}: no {REGION}")
+        schema = getattr(node.target, "_schema", None)
+        void = schema is not None and not schema.returns
+        if node.op in ("placeholder", "call_function") and "val" not in node.meta and not void:
+            problems.append(f"{node.name}: no val")
+        namespace = getattr(node.target, "namespace", None)
+        if namespace == "_c10d_functional" and node.meta.get(ROLE) != Role.COLLECTIVE:
+            problems.append(f"{node.name}: a collective without {ROLE}={Role.COLLECTIVE.value}")
+    if problems:
+        raise MetaContractError(f"after stage {stage!r}: " + "; ".join(problems[:8])
+                                + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))

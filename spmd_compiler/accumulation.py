@@ -48,3 +48,25 @@ def accumulating(optimizers, module: torch.nn.Module,
     finally:
         for obj, name in patched:
             obj.__dict__.pop(name, None)
+
+
+class KeptGradients:
+    """A compiled step's accumulation state: inside ``no_sync`` or not, and each parameter's
+    gradient accumulated on this rank so far (updated in place by the runtime)."""
+
+    def __init__(self):
+        self.inside_no_sync = False
+        self.grads: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        outer, self.inside_no_sync = self.inside_no_sync, True
+        try:
+            yield
+        finally:
+            self.inside_no_sync = outer
+
+    @property
+    def mode(self) -> str | None:
+        """The program this call needs: ``ACCUMULATE``, ``APPLY`` or None (no accumulation)."""
+        return ACCUMULATE if self.inside_no_sync else APPLY if self.grads else None

@@ -8,41 +8,18 @@ The seed spelling ``compile(parallel_mode=...)(train_step)`` is the same thing.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
-
-from spmd_compiler.passes import batch_dim, meta
-from spmd_compiler.passes.bucketing import bucket_collectives
-from spmd_compiler.passes.cleanup import eliminate_dead_code
-from spmd_compiler.passes.overlap import sink_waits
-from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
-from spmd_compiler.passes.inplace import gather_into_preallocated, owned_temporary, reduce_in_place
-from spmd_compiler.passes.memory_plan import plan_static_memory
-from spmd_compiler.passes.rank_check import place_rank_check
-from spmd_compiler.passes.recompute import recompute_activations
-from spmd_compiler.passes.schedule import schedule_for_memory
-from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
-from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
-from spmd_compiler.passes.fully_shard import ShardingError
-from spmd_compiler.passes.grad_outputs import output_gradients
 
 from . import cache
-from .cache import cache_dir_from, program_key
-from .errors import BatchDimError, NoProcessGroupError, SPMDError, UnsupportedError
-from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
-from .tensor_parallel import data_parallel_mesh, graph_inputs
-from .mixed_precision import check_policy, reduce_dtype_of
-from .accumulation import ACCUMULATE, APPLY
-from .eager import attach as attach_eager_use, refuse_bound
+from .accumulation import KeptGradients
+from .cache import cache_dir_from
 from .consistency import (
     CACHED,
     COMPILE,
@@ -54,9 +31,15 @@ from .consistency import (
     await_agreement,
     describe_graph,
     describe_program,
-    exchange_objects,
     start_agreement,
 )
+from .dynamic_dims import InputShapeHistory
+from .eager import attach as attach_eager_use, refuse_bound
+from .errors import NoProcessGroupError, SPMDError
+from .mixed_precision import check_policy
+from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
+from .tensor_parallel import data_parallel_mesh, graph_inputs, has_plan
+from .pipeline import BuildOptions, build_program, dump_dir_for_compile, info
 from .runtime import (
     CompiledGraph,
     communication_failures,
@@ -67,17 +50,11 @@ from .runtime import (
     place_state,
     retain_host_memory,
 )
-from .tracing import LIFTED_HPARAMS, StepArgs, TracedStep, split_step_args, trace_step
+from .tracing import LIFTED_HPARAMS, StepArgs, TracedStep, split_step_args
 
 log = logging.getLogger("spmd_compiler")
 
 BACKENDS = ("eager", "inductor")
-
-
-def _info(msg: str, *args) -> None:
-    """Log at INFO on rank 0 (every rank when SPMD_LOG_ALL_RANKS is set)."""
-    if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
-        log.info(msg, *args)
 
 
 class CompiledStep:
@@ -96,72 +73,40 @@ class CompiledStep:
         # without DataParallel, a tensor-parallel plan over the whole mesh runs alone
         self.data_parallel_given = parallel_mode is not None
         parallel_mode = parallel_mode or DataParallel("replicate")
-        if not isinstance(parallel_mode, DataParallel):
-            raise SPMDError(
-                f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
-            )
-        if backend not in BACKENDS:
-            raise SPMDError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+        _check_options(parallel_mode, backend, mesh)
         functools.update_wrapper(self, fn)
-        self.fn = fn
-        self.parallel_mode = parallel_mode
-        self.backend = backend
+        self.fn, self.parallel_mode, self.backend = fn, parallel_mode, backend
         self.dump_dir = dump_dir or os.environ.get("SPMD_DUMP_DIR") or None
         self.gm_transformation = gm_transformation
-        self.check_ranks = check_ranks
-        self.retain_host_memory = retain_host_memory
+        self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory
         self.cache_dir = cache_dir
-        if mesh is not None:
-            check_mesh(parallel_mode, mesh)
         self.mesh = mesh  # None: the 1-D mesh over the default process group
         # Every program compiled so far, in compile order. Every rank compiles together, so
         # program k exists on every rank and communicates the same on all of them (the per-call
         # agreement relies on it).
         self._programs: list[CompiledGraph] = []
-        # per (input structure, leaf): the shape at the last compile, and the dims traced dynamic
-        self._seen_shapes: dict[tuple[str, int], tuple[int, ...]] = {}
-        self._dynamic: dict[tuple[str, int], set[int]] = {}
+        self._shapes = InputShapeHistory(parallel_mode.automatic_dynamic, check_ranks)
         self._last_key: tuple | None = None
         self.compile_count = 0  # programs made ready: compiled, or loaded from the disk cache
         self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
-        self._no_sync = False  # inside no_sync(): calls only accumulate gradients
-        self._accumulated: dict[str, torch.Tensor] = {}  # parameter -> this rank's gradient
+        self._kept = KeptGradients()  # gradients accumulated by calls inside no_sync()
         self._data_meshes: dict[tuple[int, int], Any] = {}  # (mesh, module) -> data-parallel dims
 
-    # -- gradient accumulation across calls -----------------------------------------------------
-
-    @contextlib.contextmanager
     def no_sync(self):
         """Calls of the step inside this block run its forward and backward only: gradients
         accumulate on each rank (kept by the step, not in ``p.grad``), with no communication and
         no optimizer update; the step's ``zero_grad`` does nothing. The next call outside the
         block adds its own gradients to them, syncs once and updates (DDP's ``no_sync``, FSDP2's
         ``set_requires_gradient_sync(False)``). See spmd_compiler/accumulation.py."""
-        outer, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = outer
-
-    def _accumulation(self) -> str | None:
-        if self._no_sync:
-            return ACCUMULATE
-        return APPLY if self._accumulated else None
+        return self._kept.no_sync()
 
     def _step_key(self, sa: StepArgs) -> tuple:
-        return step_key(sa) + (("gradient accumulation", self._accumulation()),)
-
-    # -- calling ------------------------------------------------------------------------------
+        return step_key(sa) + (("gradient accumulation", self._kept.mode),)
 
     def __call__(self, *args, **kwargs):
-        if not (dist.is_available() and dist.is_initialized()):
-            raise NoProcessGroupError(
-                "spmd_compile needs an initialized default process group: call "
-                "torch.distributed.init_process_group(...) first (e.g. launch with torchrun, "
-                "backend 'gloo' on CPU or 'nccl' on CUDA)."
-            )
+        _require_process_group()
         mode = self.parallel_mode
         try:
             sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims)
@@ -190,7 +135,7 @@ class CompiledStep:
                                               running=choice)
                 try:
                     with torch.no_grad(), agreement_in_flight(pending):
-                        return self._programs[choice](sa, dp_mesh, hparams, self._accumulated)
+                        return self._programs[choice](sa, dp_mesh, hparams, self._kept.grads)
                 except Redispatch as r:
                     choice = r.choice
             else:
@@ -199,7 +144,7 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            return entry(sa, dp_mesh, hparams, self._accumulated)
+            return entry(sa, dp_mesh, hparams, self._kept.grads)
 
     def _data_mesh(self, mesh, sa: StepArgs):
         """The dims of ``mesh`` left to data parallelism once a tensor-parallel plan's are taken
@@ -224,28 +169,19 @@ class CompiledStep:
                 f"({self.mesh}); call the compiled step only on the mesh's ranks")
         return self.mesh
 
-    # -- compiling ----------------------------------------------------------------------------
-
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
-        """Build the graph (or load it from the disk cache), check that every rank has the same,
-        then place the live state."""
+        """Build the program (or load it from the disk cache), check that every rank has the
+        same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
-            dynamic, why = self._dims_to_trace_dynamic(sa, group)
-            disk_key, stored = self._load_program(sa, dynamic, group)
-        summary = None
+            dynamic, why = self._shapes.dims_to_trace(sa, group)
+            disk_key, stored = cache.lookup(_disk_cache(self), sa, dynamic, group, self.check_ranks,
+                                            fn=self.fn, options=_cache_options(self))
         try:
             refuse_bound(sa.module)
-            if stored is not None:
-                traced, runnable, guard_code, seconds, graph, num_nodes = self._unpack(stored)
-                summary = stored.summary
-            else:
-                dp_mesh = self._data_mesh(mesh, sa)
-                gm, traced, guard_code, seconds, runnable = self._build(
-                    sa, mesh_dims(dp_mesh) if dp_mesh is not None else [], key, dynamic, why)
-                graph, num_nodes = describe_graph(gm), len(gm.graph.nodes)
-            description = describe_program(sa, graph, traced.dynamic_dims)
+            ready = _loaded(stored) if stored is not None else self._build(sa, mesh, key, dynamic, why)
+            description = describe_program(sa, ready.graph, ready.traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
         if self.check_ranks:
@@ -253,268 +189,129 @@ class CompiledStep:
                 agree_on_program(description, group)
         elif isinstance(description, Exception):
             raise description
-        if self.retain_host_memory:
-            retain_host_memory()
-        start = time.perf_counter()
-        # Only now, with a graph in hand, touch live state: a failed compile changes nothing.
-        dp_mesh = self._data_mesh(mesh, sa)
-        if dp_mesh is not None:  # tensor parallelism alone: the plan placed everything
-            place_state(sa.module, sa.optimizers, dp_mesh,
-                        self.parallel_mode.parallel_style in SHARDED_STYLES,
-                        self.parallel_mode.param_init_fn, torch.device(mesh.device_type))
-            if dp_mesh is mesh:  # model(x), generate(), load_state_dict outside the step
-                attach_eager_use(sa.module, mesh)
-        key = self._step_key(sa)
-        entry = CompiledGraph(traced, runnable, guard_code, key, seconds,
-                              checks_ranks_inside=self.check_ranks and self.backend == "eager",
-                              summary=summary)
-        self._programs.append(entry)
-        self._remember_input_shapes(sa, traced)
-        self._last_key = key
-        self.compile_count += 1
-        seconds["placed state"] = time.perf_counter() - start
-        self.last_compile_seconds = sum(seconds.values())
-        self.last_compiled = entry
-        dump_dir = self._dump_dir_for_compile(self.compile_count - 1)
-        if dump_dir:
-            from .visualize import write_summary
-
-            write_summary(entry_summary(entry), dump_dir)
-            write_summary(entry_summary(entry), self.dump_dir)  # the latest, at the top level
-        _info(
-            "spmd_compiler: %s %s (%s, %d nodes) in %.2fs",
-            "loaded" if stored is not None else "compiled", self.__name__,
-            self.parallel_mode.parallel_style, num_nodes, self.last_compile_seconds,
-        )
-        if stored is not None:
-            self.cache_hits += 1
-        elif disk_key is not None:
-            self._store_program(disk_key, sa, entry, runnable, graph, num_nodes)
+        entry = self._install(sa, mesh, ready)
+        info("spmd_compiler: %s %s (%s, %d nodes) in %.2fs", "compiled" if stored is None else
+              "loaded", self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
+              self.last_compile_seconds)
+        self.cache_hits += stored is not None
+        if stored is None and disk_key is not None:
+            cache.save(_disk_cache(self), disk_key, sa, self.fn, entry, ready, entry_summary(entry))
         return entry
 
-    # -- the disk cache -----------------------------------------------------------------------
-
-    def _disk_cache(self) -> str | None:
-        """The program cache directory, if the cache applies to this step (eager backend, no
-        per-stage dumps, which need a real compile)."""
-        if self.backend != "eager" or self.dump_dir or self._accumulation():
-            return None
-        return cache_dir_from(self.cache_dir)
-
-    def _load_program(self, sa: StepArgs, dynamic: dict[int, tuple[int, ...]], group):
-        """(key, stored program) from the disk cache: (None, None) without a cache; (key, None)
-        unless every rank found the program (all compile then, so none waits for another)."""
-        cache_dir = self._disk_cache()
-        if cache_dir is None:
-            return None, None
-        try:
-            disk_key = program_key(
-                fn=self.fn, sa=sa, dynamic_dims=dynamic, rank=dist.get_rank(group),
-                world_size=dist.get_world_size(group), group_name=group.group_name, options=dict(
-                    mode=self.parallel_mode, backend=self.backend, check_ranks=self.check_ranks,
-                    gm_transformation=self.gm_transformation, mesh=None if self.mesh is None
-                    else (tuple(self.mesh.shape), self.mesh.mesh_dim_names)))
-            stored = cache.load(cache_dir, disk_key)
-        except Exception as e:  # noqa: BLE001 - the cache never stops a compile
-            log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
-            disk_key, stored = None, None
-        if self.check_ranks and dist.get_world_size(group) > 1:
-            found = torch.tensor([stored is not None], dtype=torch.int64)
-            dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
-            if not found.item():
-                stored = None
-        return disk_key, stored
-
-    @staticmethod
-    def _unpack(stored):
+    def _install(self, sa: StepArgs, mesh, ready: "_Ready") -> CompiledGraph:
+        """Place the live state for the program and keep it as the newest."""
         start = time.perf_counter()
-        traced, runnable = cache.unpack(stored)
-        seconds = {"loaded from cache": time.perf_counter() - start}
-        return traced, runnable, stored.guard_code, seconds, stored.graph_description, stored.num_nodes
+        _place_live_state(sa, self._data_mesh(mesh, sa), self.parallel_mode, self.retain_host_memory)
+        self._last_key = key = self._step_key(sa)
+        entry = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, key, ready.seconds,
+                              checks_ranks_inside=self.check_ranks and self.backend == "eager",
+                              summary=ready.summary)
+        self._programs.append(entry)
+        self._shapes.remember(sa, ready.traced)
+        self.compile_count += 1
+        ready.seconds["placed state"] = time.perf_counter() - start
+        self.last_compile_seconds = sum(ready.seconds.values())
+        self.last_compiled = entry
+        _write_summaries(entry, self.dump_dir, self.compile_count - 1)
+        return entry
 
-    def _store_program(self, disk_key: str, sa: StepArgs, entry: CompiledGraph, runnable,
-                       graph: dict, num_nodes: int) -> None:
-        if self.backend != "eager":
-            return
-        try:
-            program = cache.pack(disk_key, entry.traced, runnable, entry.guard_code, graph,
-                                 num_nodes, entry.stage_seconds, entry_summary(entry), cache.class_files(sa)
-                                 + [inspect.getsourcefile(self.fn) or ""])
-            if program is not None:
-                cache.store(self._disk_cache(), program)
-        except Exception as e:  # noqa: BLE001 - the cache never stops a step
-            log.info("spmd_compiler: program not cached (%s)", e)
-
-    # -- dynamic sizes ------------------------------------------------------------------------
-
-    def _dims_to_trace_dynamic(self, sa: StepArgs, group) -> tuple[dict[int, tuple[int, ...]], list[str]]:
-        """Per input leaf, the non-batch dims to trace as symbolic sizes, and why (for the log).
-
-        A dim is dynamic when the user declared it (``DataParallel(dynamic_dims=...)``,
-        ``torch._dynamo.mark_dynamic``), when it was dynamic in an earlier compile of this step,
-        when its size changed since the last compile (``automatic_dynamic``, as dynamo's
-        automatic dynamic shapes), or when it differs across ranks in this call. The ranks
-        exchange their view, so all of them trace the same dims as dynamic.
-        """
-        structure = str(sa.spec)
-        rank = f" on rank {dist.get_rank(group)}" if dist.get_world_size(group) > 1 else ""
-        mine: dict[int, tuple[tuple[int, ...], list[int], list[str]]] = {}
-        for i, b in zip(sa.input_indices, sa.batch_dims):
-            shape = tuple(sa.leaves[i].shape)
-            declared = set(sa.dynamic_dims.get(i, ()))
-            dims = declared | self._dynamic.get((structure, i), set())
-            why = [f"{sa.leaf_name(i)} dim {d}: declared dynamic" for d in sorted(declared)]
-            seen = self._seen_shapes.get((structure, i))
-            if self.parallel_mode.automatic_dynamic and seen is not None and len(seen) == len(shape):
-                for d, (before, now) in enumerate(zip(seen, shape)):
-                    if before != now and d != b and d not in dims:
-                        dims.add(d)
-                        why.append(f"{sa.leaf_name(i)} dim {d}: size changed {before} -> {now}"
-                                   f"{rank}")
-            mine[i] = (shape, sorted(dims - {b}), why)
-        everyone = [mine]
-        if self.check_ranks and dist.get_world_size(group) > 1:
-            everyone = exchange_objects(mine, group)
-        dynamic, why = {}, []
-        for i, b in zip(sa.input_indices, sa.batch_dims):
-            views = [r[i] for r in everyone if i in r]
-            dims = set().union(*(set(v[1]) for v in views))
-            why += [w for w in dict.fromkeys(w for v in views for w in v[2]) if w not in why]
-            shapes = [v[0] for v in views]
-            if len({len(s) for s in shapes}) == 1:
-                differ = {d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1}
-                differ -= dims | {b}
-                why += [f"{sa.leaf_name(i)} dim {d}: sizes differ across ranks "
-                        f"({', '.join(str(s[d]) for s in shapes)})" for d in sorted(differ)]
-                dims |= differ
-            dynamic[i] = tuple(sorted(dims - {b}))
-        return dynamic, why
-
-    def _remember_input_shapes(self, sa: StepArgs, traced: TracedStep) -> None:
-        """Record this compile's input shapes and dynamic dims, for the next compile's
-        automatic dynamic dims."""
-        structure = str(sa.spec)
-        for i in sa.input_indices:
-            self._seen_shapes[(structure, i)] = tuple(sa.leaves[i].shape)
-            self._dynamic.setdefault((structure, i), set()).update(traced.dynamic_dims.get(i, ()))
-
-    def _dump_dir_for_compile(self, index: int | None = None) -> str | None:
-        """``<dump_dir>/compile_<n>`` for the n-th compile, on rank 0 only (every rank with
-        SPMD_LOG_ALL_RANKS, in ``rank_<r>`` subfolders)."""
-        if not self.dump_dir:
-            return None
-        index = self.compile_count if index is None else index
-        if not dist.is_initialized():
-            return os.path.join(self.dump_dir, f"compile_{index}")
-        if os.environ.get("SPMD_LOG_ALL_RANKS"):
-            return os.path.join(self.dump_dir, f"rank_{dist.get_rank()}", f"compile_{index}")
-        return os.path.join(self.dump_dir, f"compile_{index}") if dist.get_rank() == 0 else None
-
-    def _build(self, sa: StepArgs, dims: list[tuple[str, int]], key: tuple | None,
-               dynamic: dict[int, tuple[int, ...]] | None = None, why: list[str] = ()):
-        """Trace, analyze, expand, optimize and lower the step; touches no live state.
-        ``dims``: (process group name, size) of each mesh dim, outermost first.
-
-        Graph modules made meanwhile generate and compile their Python code only when it is
-        read or run (torch.fx's lazy graph modules): each pass's ``recompile()`` only marks it.
-        """
-        with _use_lazy_graph_module(True):
-            return self._build_stages(sa, dims, key, dynamic, why)
-
-    def _build_stages(self, sa: StepArgs, dims: list[tuple[str, int]], key: tuple | None,
-                      dynamic: dict[int, tuple[int, ...]] | None, why: list[str]):
-        """Trace, analyze, expand, optimize and lower the step; touches no live state."""
-        if self._last_key is not None and key is not None:
-            _info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
+    def _build(self, sa: StepArgs, mesh, key, dynamic, why) -> "_Ready":
+        if self._last_key is not None:
+            info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
         if why:
-            _info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
-        fully_shard = self.parallel_mode.parallel_style in SHARDED_STYLES
-        seconds: dict[str, float] = {}
-        dump_index = [0]
-        dump_dir = self._dump_dir_for_compile()
-
-        def stage(name: str, gm: torch.fx.GraphModule, started: float) -> None:
-            seconds[name] = time.perf_counter() - started
-            if dump_dir:
-                from .visualize import dump_stage
-
-                dump_stage(gm, name, dump_dir, index=dump_index[0])
-                dump_index[0] += 1
-
-        t = time.perf_counter()
-        traced = trace_step(self.fn, (), {}, step_args=sa,
-                            fuse_optimizer=self.parallel_mode.fuse_optimizer,
-                            dynamic_dims=sa.dynamic_dims if dynamic is None else dynamic,
-                            mp_policy=self.parallel_mode.mp_policy,
-                            accumulation=self._accumulation())
-        _log_specializations(traced, sa)
-        stage("traced", traced.gm, t)
-
-        t = time.perf_counter()
-        # A batch size the trace specialized to a constant leaves no batch symbol to propagate;
-        # that graph is guarded to the size, and its collectives come from the gradient roles.
-        exact = bool(traced.specialized)
-        if exact:
-            _info("spmd_compiler: batch size specialized to %s: placements not analyzed",
-                  sorted({s for _, _, s in traced.specialized}))
-        else:
-            analyze(traced.gm)
-        stage("analyzed", traced.gm, t)
-
-        mode = self.parallel_mode
-        if mode.activation_memory_budget is not None:
-            t = time.perf_counter()
-            traced.gm = recompute_activations(traced.gm, budget=mode.activation_memory_budget)
-            stage("recompute", traced.gm, t)
-
-        t = time.perf_counter()
-        # the parameters' layout on each mesh dim decides that dim's collectives
-        layout = [MeshDim(name, size, placement)
-                  for (name, size), placement in zip(dims, mode.placements(len(dims)))]
-        try:
-            gm = expand_data_parallel(
-                traced.gm, layout, reshard_after_forward=mode.reshard_after_forward,
-                broadcast_buffers=mode.broadcast_buffers,
-                reduce_dtype=reduce_dtype_of(mode.mp_policy),
-                divide_after_sum=mode.divide_gradients == "after",
-                sync_grads=self._accumulation() != ACCUMULATE,
-                accumulate_cap_bytes=int((mode.reduce_cap_mb or 0) * 2**20))
-        except ShardingError as e:
-            raise UnsupportedError(str(e)) from e
-        if mode.keep_grads:
-            gm = output_gradients(gm)
-        if not exact:
-            analyze(gm)
-        stage("expanded", gm, t)
-
-        for name, run in optimization_passes(mode, self.backend):
-            t = time.perf_counter()
-            gm = run(gm)
-            stage(name, gm, t)
-        if self.gm_transformation is not None:
-            t = time.perf_counter()
-            gm = self.gm_transformation(gm)
-            stage("gm_transformation", gm, t)
-
-        t = time.perf_counter()
-        guard_code = traced.shape_env.produce_guards_expression(traced.fake_inputs)
-        traced.gm = gm
-        traced.sharded_states = fully_shard
-        traced.kept_grads = list(gm.meta.get(meta.KEPT_GRADS, ()))
-        runnable = lower(gm, self.backend, rank_check=await_agreement if self.check_ranks else None)
-        stage("lowered", gm, t)
-        return gm, traced, guard_code, seconds, runnable
+            info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
+        dp_mesh = self._data_mesh(mesh, sa)  # tensor parallelism alone: no data-parallel dim
+        dims = mesh_dims(dp_mesh) if dp_mesh is not None else []
+        program = build_program(self.fn, sa, build_options(self, dims, dynamic))
+        return _Ready(program.final_traced, program.runnable, program.guard_code, program.seconds,
+                      describe_graph(program.gm), len(program.gm.graph.nodes))
 
 
-def _log_specializations(traced: TracedStep, sa: StepArgs) -> None:
-    """Say where the step made a dim traced as dynamic static again."""
-    for i, d, size, where in traced.specialized_dims:
-        _info("spmd_compiler: %s dim %d was traced as a dynamic size, but the step specialized "
-              "it to %d at %s; this graph serves only that size", sa.leaf_name(i), d, size, where)
-    for i, d, where in traced.entangled:
-        _info("spmd_compiler: the step ties %s dim %d to the batch size at %s; traced as a "
-              "static size (a dim holding the batch size's symbol would count as batch-sharded)",
-              sa.leaf_name(i), d, where)
+def build_options(step: CompiledStep, dims: list[tuple[str, int]], dynamic=None) -> BuildOptions:
+    """The pipeline's options for a compile of ``step`` on mesh ``dims`` ((group name, size)
+    per dim, outermost first)."""
+    return BuildOptions(step.parallel_mode, step.backend, dims, dynamic, step._kept.mode,
+                        step.gm_transformation, await_agreement if step.check_ranks else None,
+                        dump_dir_for_compile(step.dump_dir, step.compile_count))
+
+
+def _require_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise NoProcessGroupError(
+            "spmd_compile needs an initialized default process group: call "
+            "torch.distributed.init_process_group(...) first (e.g. launch with torchrun, "
+            "backend 'gloo' on CPU or 'nccl' on CUDA)."
+        )
+
+
+def _check_options(parallel_mode, backend: str, mesh) -> None:
+    if not isinstance(parallel_mode, DataParallel):
+        raise SPMDError(
+            f"parallel_mode must be a DataParallel(...), got {type(parallel_mode).__name__}"
+        )
+    if backend not in BACKENDS:
+        raise SPMDError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    if mesh is not None:
+        check_mesh(parallel_mode, mesh)
+
+
+def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> None:
+    """Parameters, buffers and optimizer state placed on ``mesh`` (the data-parallel dims) for
+    the program's style; with a tensor-parallel plan over every dim (``mesh`` None) the plan
+    placed everything."""
+    if retain:
+        retain_host_memory()
+    if mesh is None:
+        return
+    place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
+                mode.param_init_fn, torch.device(mesh.device_type))
+    if not has_plan(sa.module):  # model(x), generate(), load_state_dict outside the step
+        attach_eager_use(sa.module, mesh)
+
+
+def _write_summaries(entry: CompiledGraph, dump_dir: str | None, index: int) -> None:
+    """The summary of compile ``index`` in its dump folder, and at the top level (the latest)."""
+    folder = dump_dir_for_compile(dump_dir, index)
+    if folder:
+        from .visualize import write_summary
+
+        write_summary(entry_summary(entry), folder)
+        write_summary(entry_summary(entry), dump_dir)
+
+
+def _disk_cache(step: CompiledStep) -> str | None:
+    """The program cache directory, if the cache applies to the step (eager backend, no
+    per-stage dumps, which need a real compile, no gradient accumulation)."""
+    if step.backend != "eager" or step.dump_dir or step._kept.mode:
+        return None
+    return cache_dir_from(step.cache_dir)
+
+
+def _cache_options(step: CompiledStep) -> dict:
+    """The step's options that its programs depend on (part of the cache key)."""
+    return dict(mode=step.parallel_mode, backend=step.backend, check_ranks=step.check_ranks,
+                gm_transformation=step.gm_transformation, mesh=None if step.mesh is None
+                else (tuple(step.mesh.shape), step.mesh.mesh_dim_names))
+
+
+class _Ready(NamedTuple):
+    """A program ready to install: built now or loaded from the disk cache."""
+
+    traced: TracedStep
+    runnable: Callable
+    guard_code: str | None
+    seconds: dict[str, float]
+    graph: dict  # consistency.describe_graph of the final graph
+    num_nodes: int
+    summary: Any = None  # the stored summary of a loaded program
+
+
+def _loaded(stored) -> _Ready:
+    start = time.perf_counter()
+    traced, runnable = cache.unpack(stored)
+    seconds = {"loaded from cache": time.perf_counter() - start}
+    return _Ready(traced, runnable, stored.guard_code, seconds, stored.graph_description,
+                  stored.num_nodes, stored.summary)
 
 
 def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = None,
@@ -539,94 +336,13 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
         dims = [("explain", world_size or 2)]
     sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
                          step.parallel_mode.dynamic_dims)
-    gm, _, _, seconds, runnable = step._build(sa, dims, None)
-    summary = summarize(gm, compile_times=seconds,
+    program = build_program(step.fn, sa, build_options(step, dims))
+    runnable = program.runnable
+    summary = summarize(program.gm, compile_times=program.seconds,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:
         write_summary(summary, step.dump_dir)
     return summary
-
-
-def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None] | None = None) -> Callable:
-    """The runnable for ``backend``; ``gm`` itself stays functional (it is what the dumps and
-    the cross-rank check describe).
-
-    ``"eager"`` runs the generated Python of a copy of ``gm`` whose bucket divisions and
-    all_reduces work in place (passes/inplace.py) and that calls ``rank_check`` (the per-call
-    agreement) just before its first collective or state update (passes/rank_check.py), so the
-    agreement's message travels while the forward computes. ``"inductor"`` hands the whole step graph to
-    ``torch.compile`` (Inductor functionalizes it, keeps the functional collectives, reuses
-    buffers itself and compiles on the first run), all but the fused optimizer kernels, which
-    run in place between the compiled regions.
-    """
-    if backend == "inductor":
-        compiled = fused_kernels_outside_compile(gm)
-        _LazyGraphModule.force_recompile(compiled)  # dynamo traces its generated forward
-        # fallback_random: random ops (dropout) draw from torch's generator in graph order, the
-        # numbers eager PyTorch (and DDP) draws, instead of Inductor's own random stream
-        return torch.compile(compiled, backend="inductor", dynamic=True,
-                             options={"fallback_random": True})
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    runnable = _make_graph_module(gm, graph)
-    for lowering in (reduce_in_place, gather_into_preallocated, broadcast_gathers,
-                     functools.partial(all_reduce_scatters, owned=owned_temporary),
-                     plan_static_memory):
-        runnable = lowering(runnable)
-    return place_rank_check(runnable, rank_check) if rank_check else runnable
-
-
-def fused_kernels_outside_compile(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` whose fused optimizer kernels (``_fused_adam_`` ...) are called through
-    ``torch.compiler.disable``: torch.compile runs them as they are, in place, between the
-    compiled regions (Inductor has no kernel of its own for them and would copy every updated
-    tensor back)."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op == "call_function" and schema is not None and schema.name.startswith("aten::_fused_"):
-            node.target = _eager_kernel(node.target)
-    return _make_graph_module(gm, graph)
-
-
-@functools.cache
-def _eager_kernel(op):
-    @torch.compiler.disable(reason="fused optimizer kernel: runs in place, uncompiled")
-    def run(*args, **kwargs):
-        return op(*args, **kwargs)
-
-    run.__name__ = f"eager_{op.__name__.replace('.', '_')}"
-    return run
-
-
-def optimization_passes(mode: DataParallel, backend: str = "eager") -> list[tuple[str, Callable]]:
-    """The optimization passes ``mode`` turns on for ``backend``, in order, as (stage name,
-    pass). Under Inductor the fused optimizer kernels run outside the compiled regions, so
-    each one splits the graph: fully_shard's updates then stay after the backward."""
-    passes: list[tuple[str, Callable]] = [("dead_code", eliminate_dead_code)]
-    if mode.bucket_cap_mb:
-        passes.append(("bucketing", functools.partial(
-            bucket_collectives, bucket_cap_mb=mode.bucket_cap_mb,
-            first_bucket_cap_mb=mode.first_bucket_cap_mb, own_collective_mb=mode.own_collective_mb)))
-    if mode.split_optimizer:
-        passes.append(("split_optimizer", split_optimizer_by_bucket))
-    if mode.parallel_style in SHARDED_STYLES:  # orders everything, overlap included
-        passes.append(("schedule", functools.partial(
-            schedule_for_memory, prefetch_cap_mb=mode.prefetch_cap_mb,
-            reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
-            updates_in_backward=backend == "eager")))
-    elif mode.overlap:
-        passes.append(("overlap", sink_waits))
-    return passes
-
-
-def analyze(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Placement propagation (passes/batch_dim.py), its failures raised as SPMDErrors."""
-    try:
-        return batch_dim.annotate_placements(gm)
-    except batch_dim.BatchDimError as e:
-        raise BatchDimError(str(e)) from e
 
 
 def entry_summary(entry: CompiledGraph):

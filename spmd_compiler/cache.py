@@ -35,6 +35,7 @@ import enum
 import functools
 import hashlib
 import importlib
+import inspect
 import logging
 import os
 import pickle
@@ -60,7 +61,7 @@ def _info(msg: str, *args) -> None:
     if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
         log.info(msg, *args)
 
-FORMAT = 1
+FORMAT = 2
 _MAGIC = b"spmd-compiler-program\n"
 
 
@@ -82,11 +83,9 @@ class StoredProgram:
 
 
 # Fields of TracedStep a stored program keeps (the graph itself and its ShapeEnv are not kept).
-_TRACED_FIELDS = ("param_fqns", "buffer_fqns", "state_keys", "new_state_keys", "num_hparams",
-                  "specialized", "hparam_tensors", "specialized_hparams", "sharded_states",
-                  "out_constants", "num_tensor_outputs", "dynamic_dims", "static_sizes",
-                  "specialized_dims", "entangled", "source_files", "specialized_inputs",
-                  "kept_grads")
+_TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "out_constants",
+                  "dynamic_dims", "static_sizes", "specialized_dims", "entangled", "source_files",
+                  "specialized_inputs")
 
 
 def cache_dir_from(option: str | None) -> str | None:
@@ -331,6 +330,48 @@ def dependencies(files: list[str]) -> list[tuple[str, str]]:
         if digest is not None:
             out.append((f, digest))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Looking a program up and saving it
+
+
+def lookup(cache_dir: str | None, sa: StepArgs, dynamic_dims: dict[int, tuple[int, ...]], group,
+           agree: bool, *, fn: Callable, options: dict[str, Any]):
+    """(key, stored program) from the disk cache: (None, None) without a cache; (key, None)
+    unless every rank found the program (with ``agree``: all compile then, so none waits for
+    another)."""
+    import torch.distributed as dist
+
+    if cache_dir is None:
+        return None, None
+    try:
+        key = program_key(fn=fn, sa=sa, dynamic_dims=dynamic_dims, rank=dist.get_rank(group),
+                          world_size=dist.get_world_size(group), group_name=group.group_name,
+                          options=options)
+        stored = load(cache_dir, key)
+    except Exception as e:  # noqa: BLE001 - the cache never stops a compile
+        log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
+        key, stored = None, None
+    if agree and dist.get_world_size(group) > 1:
+        found = torch.tensor([stored is not None], dtype=torch.int64)
+        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
+        if not found.item():
+            stored = None
+    return key, stored
+
+
+def save(cache_dir: str, key: str, sa: StepArgs, fn: Callable, entry, ready, summary) -> None:
+    """Store a compiled eager program (``entry``, a runtime.CompiledGraph, built as ``ready``);
+    a program that cannot be stored is logged, never raised."""
+    try:
+        program = pack(key, entry.traced, ready.runnable, entry.guard_code, ready.graph,
+                       ready.num_nodes, entry.stage_seconds, summary,
+                       class_files(sa) + [inspect.getsourcefile(fn) or ""])
+        if program is not None:
+            store(cache_dir, program)
+    except Exception as e:  # noqa: BLE001 - the cache never stops a step
+        log.info("spmd_compiler: program not cached (%s)", e)
 
 
 # ---------------------------------------------------------------------------------------------

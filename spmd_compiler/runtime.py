@@ -23,10 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
-from spmd_compiler.passes import meta
 
 from . import tensor_parallel as tp
 from .errors import CollectiveError, InitializationError
+from .signature import StepSignature
 from .tracing import StepArgs, TracedStep
 
 _MESHES: dict[str, DeviceMesh] = {}
@@ -527,18 +527,25 @@ def grad_like(g: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.T
 class CompiledGraph:
     """A compiled step graph and how to bind live state to its placeholders."""
 
-    traced: TracedStep
+    traced: TracedStep  # the step as traced, its ``gm`` the final graph (None when loaded)
     run: Callable[..., Any]  # the lowered graph: flat tensors/floats in, flat outputs out
     guard_code: str | None
     static_key: tuple
     stage_seconds: dict[str, float] = field(default_factory=dict)
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
     summary: Any = None  # visualize.Summary of a program loaded from the disk cache
-    kept_grads: list[str] = field(init=False)  # parameters whose gradient the graph returns last
 
     def __post_init__(self):
-        self.kept_grads = list(self.traced.kept_grads)
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
+
+    @property
+    def signature(self) -> StepSignature:
+        return self.traced.signature
+
+    @property
+    def kept_grads(self) -> list[str]:
+        """The parameters whose averaged gradient the graph returns last."""
+        return list(self.traced.signature.kept_grads)
 
     def guards_hold(self, inputs: list[torch.Tensor], hparams: list[float]) -> bool:
         """Do this call's batch inputs and lifted hyperparameters fit the graph?"""
@@ -563,59 +570,59 @@ class CompiledGraph:
         """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``.
         ``accumulated`` holds the gradients of a graph that takes (``grads_in``) or returns
         (``grads_out``) them (spmd_compiler/accumulation.py); updated in place."""
-        tr = self.traced
-        module = sa.module
-        params = _named_unique(module.named_parameters(remove_duplicate=False))
-        buffers = _named_unique(module.named_buffers(remove_duplicate=False))
-        flat: list[Any] = [local_buffer(params[n]) for n in tr.param_fqns]
-        flat += [buffers[n] for n in tr.buffer_fqns]
-        state_of = {}
-        for opt in sa.optimizers:
-            for p, st in opt.state.items():
-                if self.traced.sharded_states:
-                    for k, v in st.items():
-                        st[k] = ensure_padded(v, mesh)
-                state_of[id(p)] = st
-        flat += [local_buffer(state_of[id(params[n])][k]) for n, k in tr.state_keys]
-        flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
-                 for v, as_tensor in zip(hparams, tr.hparam_tensors)]
-        flat += tp.graph_inputs([sa.leaves[i] for i in sa.input_indices])
-        if tr.grads_in:
-            flat += [accumulated[n] if n in accumulated else torch.zeros(
-                params[n].shape, dtype=params[n].dtype, device=local_buffer(params[n]).device)
-                for n in tr.grads_in]
-        if self.kept_grads:
-            for fqn in self.kept_grads:  # free the last step's before this one makes new ones
-                params[fqn].grad = None
-        else:
-            eager = module.__dict__.get("_spmd_eager")
-            if eager is not None and eager.grads_written:  # an eager backward's, now stale
-                eager.clear_grads()
-
+        sig = self.traced.signature
+        params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
+        flat = self._bind(sa, mesh, hparams, accumulated, params)
         with communication_failures("the compiled step",
                                     "Parameters and optimizer state on this rank may be partly "
                                     "updated by this step."):
-            outs = self.run(*flat)
-
-        n_out = tr.num_tensor_outputs
-        if tr.new_state_keys:
+            outs = sig.split_outputs(self.run(*flat))
+        if sig.new_states:
             opt_of = {id(p): opt for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
-            for (fqn, k), t in zip(tr.new_state_keys, outs[n_out:]):
+            for (fqn, k), t in zip(sig.new_states, outs.new_states):
                 p = params[fqn]
                 opt_of[id(p)].state[p][k] = state_from_local(t, p, mesh)
-        if tr.grads_out:
-            start = n_out + len(tr.new_state_keys)
-            accumulated.update(zip(tr.grads_out, outs[start:start + len(tr.grads_out)]))
-        elif tr.grads_in:  # synced and applied
+        if sig.grads_out:
+            accumulated.update(zip(sig.grads_out, outs.grads_out))
+        elif sig.grads_in:  # synced and applied
             accumulated.clear()
-        if self.kept_grads:
-            grads = outs[len(outs) - len(self.kept_grads):]
-            for fqn, g in zip(self.kept_grads, grads):
-                params[fqn].grad = grad_like(g, params[fqn], mesh)
-        leaves = list(outs[:n_out])
-        for j in sorted(tr.out_constants):
-            leaves.insert(j, tr.out_constants[j])
-        return pytree.tree_unflatten(leaves, tr.out_spec)
+        for fqn, g in zip(sig.kept_grads, outs.kept_grads):
+            params[fqn].grad = grad_like(g, params[fqn], mesh)
+        leaves = outs.user
+        for j in sorted(self.traced.out_constants):
+            leaves.insert(j, self.traced.out_constants[j])
+        return pytree.tree_unflatten(leaves, self.traced.out_spec)
+
+    def _bind(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
+              accumulated: dict[str, torch.Tensor] | None, params: dict[str, torch.Tensor]) -> list:
+        """The graph's flat inputs, in the signature's order, from the live state."""
+        sig = self.traced.signature
+        buffers = _named_unique(sa.module.named_buffers(remove_duplicate=False))
+        flat: list[Any] = [local_buffer(params[n]) for n in sig.params]
+        flat += [buffers[n] for n in sig.buffers]
+        state_of = {}
+        for opt in sa.optimizers:
+            for p, st in opt.state.items():
+                if sig.sharded_states:
+                    for k, v in st.items():
+                        st[k] = ensure_padded(v, mesh)
+                state_of[id(p)] = st
+        flat += [local_buffer(state_of[id(params[n])][k]) for n, k in sig.states]
+        flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
+                 for v, as_tensor in zip(hparams, sig.hparams)]
+        flat += tp.graph_inputs([sa.leaves[i] for i in sa.input_indices])
+        if sig.grads_in:
+            flat += [accumulated[n] if n in accumulated else torch.zeros(
+                params[n].shape, dtype=params[n].dtype, device=local_buffer(params[n]).device)
+                for n in sig.grads_in]
+        if sig.kept_grads:
+            for fqn in sig.kept_grads:  # free the last step's before this one makes new ones
+                params[fqn].grad = None
+        else:
+            eager = sa.module.__dict__.get("_spmd_eager")
+            if eager is not None and eager.grads_written:  # an eager backward's, now stale
+                eager.clear_grads()
+        return flat
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

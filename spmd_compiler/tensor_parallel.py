@@ -137,8 +137,9 @@ def dtensor_fuses(opt: torch.optim.Optimizer) -> bool:
 
 
 def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:
-    """Writes MODEL_PARALLEL (the process group) on every functional collective and wait the
-    recording holds: the step's own (DTensor's), not data parallelism's."""
+    """Writes MODEL_PARALLEL (the process group) and ROLE (COLLECTIVE) on every functional
+    collective and wait the recording holds: the step's own (DTensor's), not data
+    parallelism's (those carry a COLLECTIVE description as well)."""
     group_of = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or getattr(node.target, "namespace", None) != "_c10d_functional":
@@ -150,6 +151,7 @@ def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:
         if group is not None:
             group_of[node] = group
             node.meta[meta.MODEL_PARALLEL] = group
+            node.meta[meta.ROLE] = meta.Role.COLLECTIVE
 
 
 def local_of(t: Any) -> Any:

@@ -62,6 +62,7 @@ from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
 from . import tensor_parallel as tp
 from .halo_conv import halo_convolution
+from .signature import StepSignature, split_inputs
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -96,15 +97,11 @@ class StepArgs:
 
 @dataclass
 class TracedStep:
-    """A traced step plus what the runtime needs to bind live state to its placeholders."""
+    """A traced step: its graph, its signature and the conditions under which it is valid."""
 
     gm: torch.fx.GraphModule
     shape_env: ShapeEnv
-    param_fqns: list[str]  # unique parameters, placeholder order
-    buffer_fqns: list[str]
-    state_keys: list[tuple[str, str]]  # (param fqn, state name) of state placeholders
-    new_state_keys: list[tuple[str, str]]  # states the step creates (trailing outputs)
-    num_hparams: int
+    signature: StepSignature  # what each graph input and output is
     fake_inputs: list[torch.Tensor]  # fake batch leaves, for guard expressions
     # (input position, dim, size) of batch dims the trace specialized to a constant (a batch of
     # one meeting a width-1 layer): the graph is valid only for that size.
@@ -120,23 +117,23 @@ class TracedStep:
     entangled: list[tuple[int, int, str]] = field(default_factory=list)
     # Python files with code on the stack of any recorded node (what the recording depends on)
     source_files: list[str] = field(default_factory=list)
-    # per lifted hyperparameter: bound as a float64 0-d tensor (fused kernels) or a float
-    hparam_tensors: list[bool] = field(default_factory=list)
     # (index, value) of hyperparameters the graph holds as constants: a call with another value
     # needs another graph
     specialized_hparams: list[tuple[int, float]] = field(default_factory=list)
     # (input position, value) of unbatched inputs whose values the trace read (a mask passed in
     # and checked for causality): the graph is valid only for inputs equal to these
     specialized_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    sharded_states: bool = False  # set by the compiler for fully_shard: states live padded
-    kept_grads: list[str] = field(default_factory=list)  # set by the compiler: see KEPT_GRADS
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
-    num_tensor_outputs: int = 0
-    # parameters whose accumulated gradient is a trailing input (after the batch leaves), and
-    # whose gradient is a trailing output (after the created states): spmd_compiler/accumulation.py
-    grads_in: list[str] = field(default_factory=list)
-    grads_out: list[str] = field(default_factory=list)
+
+    # The signature's parts under their earlier names.
+    param_fqns = property(lambda self: list(self.signature.params))
+    buffer_fqns = property(lambda self: list(self.signature.buffers))
+    state_keys = property(lambda self: list(self.signature.states))
+    new_state_keys = property(lambda self: list(self.signature.new_states))
+    num_hparams = property(lambda self: len(self.signature.hparams))
+    hparam_tensors = property(lambda self: list(self.signature.hparams))
+    num_tensor_outputs = property(lambda self: self.signature.user_outputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -730,7 +727,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
 
     def stateless_step(*flat):
-        params, buffers, states, lifted, inputs = _split(flat, counts)
+        params, buffers, states, lifted, inputs = split_inputs(flat, counts)
         inputs, grads = inputs[:len(fake_inputs)], inputs[len(fake_inputs):]
         # tensor-parallel parameters, states and inputs: DTensors around their local shards
         params = [tp.as_planned(fp, p) for fp, p in zip(params, unique_params)]
@@ -826,15 +823,16 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
             f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "
             f"by the loss. Set requires_grad=False on parameters that are frozen, or remove them."
         )
+    signature = StepSignature(
+        params=tuple(fqn_of[id(p)] for p in unique_params),
+        buffers=tuple(buffer_fqn_of[id(b)] for b in unique_buffers),
+        states=tuple(state_keys), hparams=tuple(hparam_tensors), inputs=tuple(sa.input_indices),
+        grads_in=tuple(accumulated), user_outputs=out_info["n"], new_states=tuple(created),
+        grads_out=tuple(accumulated) if accumulation == ACCUMULATE else ())
     return TracedStep(
         gm=gm,
         shape_env=shape_env,
-        param_fqns=[fqn_of[id(p)] for p in unique_params],
-        buffer_fqns=[buffer_fqn_of[id(b)] for b in unique_buffers],
-        state_keys=state_keys,
-        new_state_keys=created,
-        num_hparams=len(hparams),
-        hparam_tensors=hparam_tensors,
+        signature=signature,
         specialized_hparams=_specialized_hparams(shape_env, hparams, hparam_values),
         specialized_inputs=[(k, unbatched[k].clone()) for k in
                             sorted(p - sum(counts) for p in reads.used)],
@@ -846,9 +844,6 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         source_files=sorted(f for f in source_files if not f.startswith("<")),
         out_spec=out_info["spec"],
         out_constants=out_info["constants"],
-        num_tensor_outputs=out_info["n"],
-        grads_in=accumulated,
-        grads_out=accumulated if accumulation == ACCUMULATE else [],
     )
 
 
@@ -949,15 +944,6 @@ def _check_matmul_dtypes(gm: torch.fx.GraphModule) -> None:
                 f"{node.target} mixes dtypes {sorted(map(str, dtypes))}: eager PyTorch raises "
                 f"on this too. Cast the inputs to the model's dtype. User code:\n{where}"
             )
-
-
-def _split(flat, counts):
-    out, start = [], 0
-    for c in counts:
-        out.append(list(flat[start:start + c]))
-        start += c
-    out.append(list(flat[start:]))
-    return out
 
 
 def _describe_trace_failure(e: Exception) -> str:

@@ -21,7 +21,13 @@ line per pool reports its start-up times, jobs and restarts.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Every compile in the tests (worker processes included: they inherit the environment) checks
+# the graph and the meta contract after each stage (spmd_compiler/pipeline.py).
+os.environ.setdefault("SPMD_CHECK_STAGES", "1")
 
 from tests.multirank import WorkerPool, prestart_forkserver
 

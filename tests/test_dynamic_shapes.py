@@ -221,7 +221,7 @@ def test_data_dependent_size_raises_clearly_or_matches_ddp(pool2, mode):
 
 
 def _trace(step, args, dynamic, placements: bool = True):
-    from spmd_compiler.api import analyze
+    from spmd_compiler.pipeline import analyze
     from spmd_compiler.tracing import split_step_args, trace_step
 
     sa = split_step_args(args, {}, 0)

@@ -1,0 +1,77 @@
+"""The compiled step's signature: what each input and output of its graph is, by name.
+
+The tracer makes it (spmd_compiler/tracing.py), the pipeline adds what later stages append
+(kept gradients, sharded state), the runtime binds live state with it and reads the outputs
+back with it, and the disk cache stores it. Nothing else counts the graph's placeholders or
+outputs.
+
+Inputs, in order::
+
+    params | buffers | states | hparams | inputs | grads_in
+
+Outputs, in order::
+
+    user outputs | new_states | grads_out | kept_grads
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+class StepOutputs(NamedTuple):
+    """A run's flat outputs, split by the signature."""
+
+    user: list[Any]  # the step's tensor return values (non-tensor ones are constants)
+    new_states: list[Any]  # optimizer state the step created, one per ``new_states`` key
+    grads_out: list[Any]  # this rank's accumulated gradients (no_sync calls)
+    kept_grads: list[Any]  # averaged gradients kept in ``p.grad`` (``keep_grads``)
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """Names of the compiled graph's inputs and outputs (see the module docstring)."""
+
+    params: tuple[str, ...]  # unique parameters' qualified names (tied weights once)
+    buffers: tuple[str, ...]  # unique buffers' qualified names
+    states: tuple[tuple[str, str], ...]  # (parameter, state name) of optimizer state inputs
+    # per lifted hyperparameter (the ``lr`` of each param group): bound as a float64 0-d tensor
+    # (fused kernels) or a Python float
+    hparams: tuple[bool, ...]
+    inputs: tuple[int, ...]  # the step argument leaves (their positions) that are graph inputs
+    grads_in: tuple[str, ...] = ()  # parameters whose accumulated gradient is an input
+    user_outputs: int = 0  # the step's tensor return values
+    new_states: tuple[tuple[str, str], ...] = ()  # optimizer state created by the step
+    grads_out: tuple[str, ...] = ()  # parameters whose accumulated gradient is returned
+    kept_grads: tuple[str, ...] = ()  # parameters whose averaged gradient is returned last
+    # optimizer state of the parameter's shape is bound as padded dim-0 shards (fully_shard)
+    sharded_states: bool = False
+
+    @property
+    def input_groups(self) -> tuple[int, ...]:
+        """How many placeholders each group has: params, buffers, states, hparams, then the
+        rest (inputs and accumulated gradients)."""
+        return (len(self.params), len(self.buffers), len(self.states), len(self.hparams))
+
+    @property
+    def num_outputs(self) -> int:
+        return self.user_outputs + len(self.new_states) + len(self.grads_out) + len(self.kept_grads)
+
+    def split_outputs(self, outs) -> StepOutputs:
+        """The run's flat outputs by kind."""
+        a = self.user_outputs
+        b = a + len(self.new_states)
+        c = b + len(self.grads_out)
+        return StepOutputs(list(outs[:a]), list(outs[a:b]), list(outs[b:c]),
+                           list(outs[c:c + len(self.kept_grads)]))
+
+
+def split_inputs(flat, counts) -> list[list[Any]]:
+    """``flat`` cut into ``len(counts)`` groups of those sizes, then the rest."""
+    out, start = [], 0
+    for c in counts:
+        out.append(list(flat[start:start + c]))
+        start += c
+    out.append(list(flat[start:]))
+    return out
