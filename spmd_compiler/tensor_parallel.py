@@ -27,12 +27,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .errors import SPMDError
+from .errors import TensorParallelError
 from spmd_compiler.passes import meta
-
-
-class TensorParallelError(SPMDError):
-    """A tensor-parallel plan that does not fit the step's mesh or data-parallel mode."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +158,19 @@ def local_of(t: Any) -> Any:
 def graph_inputs(inputs: list) -> list:
     """The step's batch leaves as the graph takes them: a DTensor input by its local shard."""
     return [local_of(t) for t in inputs]
+
+
+def refuse_unused_plans(params: list, names: list[str]) -> None:
+    """Raise a TensorParallelError if a parameter a plan placed got no gradient in the step (the
+    plan is on a module the step never calls)."""
+    planned = [n for p, n in zip(params, names) if plan_of(p) is not None]
+    if planned:
+        modules = sorted({n.rpartition(".")[0] or "<root>" for n in planned})
+        raise TensorParallelError(
+            f"a tensor-parallel plan placed the parameters of {', '.join(modules)}, but the step "
+            f"never uses them (no gradient reaches {', '.join(planned)}): is the plan on a module "
+            f"the step's forward does not call? Parallelize the modules the step calls, or set "
+            f"requires_grad=False on parameters that are frozen.")
 
 
 # ---------------------------------------------------------------------------------------------

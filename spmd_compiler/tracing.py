@@ -818,6 +818,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                        meta.INPUT_DYNAMIC_DIMS: (), meta.INPUT_PATH: f"accumulated grad of {fqn}"})
 
     missing = [fqn_of[id(p)] for p in unique_params if p.requires_grad and fqn_of[id(p)] not in grad_nodes]
+    tp.refuse_unused_plans([p for p in unique_params if fqn_of[id(p)] in missing], missing)
     if missing:
         raise MissingGradientError(
             f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "

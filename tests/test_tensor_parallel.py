@@ -96,6 +96,11 @@ def tp_alone_parity(build, batch, step_fn, ref_scale: float = 1.0, local_batch=N
             chk.close("loss", f"step {i} loss", full(loss), ref_loss)
     compare_models(chk, "vs eager TP", compiled, opts[2], eager, opts[1])
     compare_models(chk, "vs single device", compiled, opts[2], single, opts[0])
+    if local_batch is None:  # the model keeps working outside the step (outputs after layers of
+        out = ParityChecker(atol=1e-5)  # sharded reductions: round-off of 1e-6 on logits near 0)
+        with torch.no_grad():
+            out.close("loss", "model(x) after the steps", full(compiled(tensors[0])), single(tensors[0]))
+        chk.problems += out.problems
     counts["compiled"] = collective_nodes(step)
     placements = {n: (type(p).__name__, tuple(getattr(p, "placements", ()))) for n, p in compiled.named_parameters()}
     return dict(problems=chk.problems, max_err=chk.max_err, counts=counts, placements=placements,
@@ -394,3 +399,68 @@ def test_convnext_width_sharded(pool2):
     reps = pool2.run(convnext_job, timeout=600)
     for rank, rep in enumerate(reps):
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans that do not fit: a clear SPMDError before any state changes
+# --------------------------------------------------------------------------------------------------
+
+
+class TwoHeads(torch.nn.Module):
+    """An MLP and a second head that forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
+
+        self.mlp = MLPModule("cpu")
+        self.unused = torch.nn.Linear(10, 4)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def errors_job():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from spmd_compiler import DataParallel, SPMDError, spmd_compile
+
+    world = dist.get_world_size()
+    tp_mesh = init_device_mesh("cpu", (world,))
+    mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    plan = {"mlp.net1": ColwiseParallel(), "mlp.net2": RowwiseParallel()}
+    cases = {
+        # the plan's mesh is not a dim of mesh=
+        "not a dim": (tp_mesh, plan, dict(parallel_mode=DataParallel("fully_shard"), mesh=mesh_2d)),
+        # DataParallel asked for, but the plan uses every dim of the mesh
+        "dp dim used": (tp_mesh, plan, dict(parallel_mode=DataParallel("replicate"), mesh=tp_mesh)),
+        # a plan on a module the step never calls
+        "never called": (tp_mesh, dict(plan, unused=ColwiseParallel()), dict(mesh=tp_mesh)),
+    }
+    out = {}
+    for name, (pmesh, p, options) in cases.items():
+        torch.manual_seed(0)
+        model = parallelize_module(TwoHeads(), pmesh, p)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        before = {n: (id(t), t.placements if hasattr(t, "placements") else None, t.detach().clone())
+                  for n, t in model.named_parameters()}
+        try:
+            spmd_compile(**options)(mse_adam_step)(model, opt, torch.rand(4, 10), torch.rand(4, 10))
+            out[name] = "no error"
+        except SPMDError as e:
+            same = all(id(t) == before[n][0] and getattr(t, "placements", None) == before[n][1]
+                       and torch.equal(t.detach(), before[n][2]) for n, t in model.named_parameters())
+            out[name] = (type(e).__name__, str(e), same and not opt.state)
+    return out
+
+
+def test_plan_errors(pool2):
+    rep = pool2.run(errors_job, timeout=300)[0]
+    for name, want in [("not a dim", "is not a dim of the step's mesh"),
+                       ("dp dim used", "already uses every dim"),
+                       ("never called", "never uses them")]:
+        assert rep[name] != "no error", name
+        kind, text, unchanged = rep[name]
+        assert want in text and kind == "TensorParallelError", (name, kind, text)
+        assert unchanged, f"{name}: parameters or optimizer state changed before the error"
