@@ -459,7 +459,10 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             sub-group, or one dim of a larger mesh: ``mesh["dp"]``); hybrid_shard a 2-D mesh,
             ``(replicate, shard)`` (``mesh_dim_names`` required): parameters are sharded over the
             inner dim and replicated over the outer. Only the mesh's ranks call the step.
-            Default: a 1-D mesh over the whole default process group.
+            Default: a 1-D mesh over the whole default process group. With a tensor-parallel
+            plan (``parallelize_module`` over ``mesh["tp"]``) data parallelism runs over the
+            dims the plan leaves; without ``parallel_mode`` a plan over the whole mesh runs
+            alone (docs/tensor_parallel.md).
     """
     if mesh is not None:
         check_mesh(parallel_mode or DataParallel("replicate"), mesh)
