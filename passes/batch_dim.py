@@ -29,7 +29,7 @@ stored parameter/state shard; elementwise optimizer math keeps it, and a reducti
 ``Partial`` with DTensor's reduce op (``sum``, ``max``, ``min``, or DTensor's ``_NormPartial``),
 which the expansion must all-reduce before anything else reads it.
 
-``BatchDimError`` is raised only where the expanded program would be wrong or the graph cannot be
+``PlacementError`` is raised only where the expanded program would be wrong or the graph cannot be
 read: a parameter-shard reduction used before its all_reduce, parameter shards mixed with batch
 data or used by an op that sharding changes, a collective over batch data, a non-aten node, an
 input batch dim that is out of range or static. docs/batch_dim.md lists the rules.
@@ -56,7 +56,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from .meta import INPUT_BATCH_DIM, MODEL_PARALLEL, PLACEMENT, ROLE, Role
 
-__all__ = ["BatchDimError", "annotate_placements"]
+__all__ = ["PlacementError", "annotate_placements"]
 
 AVG = Partial("avg")
 
@@ -86,7 +86,7 @@ _COLLECTIVE_NS = "_c10d_functional"
 _BatchShard = (Shard, _StridedShard)
 
 
-class BatchDimError(Exception):
+class PlacementError(Exception):
     """A node whose placement makes the expanded program wrong, or that cannot be analyzed.
 
     Attributes: ``node`` (the node's name), ``op`` (its target as a string), ``stack_trace`` (the
@@ -113,7 +113,7 @@ def _op_name(target) -> str:
 
 
 def _fail(node: fx.Node, reason: str):
-    raise BatchDimError(node, reason)
+    raise PlacementError(node, reason)
 
 
 def _arguments(node: fx.Node) -> dict[str, Any] | None:
@@ -490,7 +490,7 @@ def annotate_placements(gm: fx.GraphModule) -> fx.GraphModule:
     Writes: PLACEMENT on every node: a Placement for a tensor value; a list (one entry per element,
     None for non-tensors) for a list/tuple of tensors, and for a foreach/fused in-place op the
     placement of what it writes at each list index; None for non-tensor nodes.
-    Raises: ``BatchDimError`` only for what the expansion would get wrong (see the module
+    Raises: ``PlacementError`` only for what the expansion would get wrong (see the module
     docstring); then no node is annotated.
     """
     analysis = _Analysis(gm)

@@ -23,12 +23,12 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from . import meta
 from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
 from .fully_shard import (
-    LOGICAL_SHAPE, ShardingError, micro_batch_parts, padded_gradient, reduce_optimizer_partials,
+    ShardingError, micro_batch_parts, padded_gradient, reduce_optimizer_partials,
     reduce_scatter_parts, shard_parameters, shard_val,
 )
 from .replicate import broadcast_buffers_from_rank0
@@ -60,7 +60,8 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
     reduced dim by dim from the innermost: ``reduce_scatter`` on the shard dim for a sharded
     parameter, ``all_reduce`` on every other dim (the last wait marked SYNCED_GRAD, read by
     every later use); the optimizer's reductions over shards completed on the shard dim;
-    ``gm.meta[MESH_DIMS]``: the group names by mesh dim.
+    ``gm.meta[MESH_DIMS]``: the group names by mesh dim. LOGICAL_SHAPE is used meanwhile and
+    removed.
 
     With ``reduce_dtype`` (mixed precision) a gradient of another dtype is cast to it before the
     division and back after the last reduction. With ``divide_after_sum`` the reduced sum is
@@ -95,6 +96,8 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
     gm.recompile()
     if shard:
         reduce_optimizer_partials(gm, shard[0].group_name, shard[0].size)
+    for node in graph.nodes:  # the expansion's own bookkeeping
+        node.meta.pop(meta.LOGICAL_SHAPE, None)
     gm.meta[meta.MESH_DIMS] = [d.group_name for d in layout]
     return gm
 
@@ -148,16 +151,16 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
                         val=shard_val(reduced_val, d.size), region=region, kind="reduce_scatter",
                         params=[fqn])
                     x.meta[meta.PLACEMENT] = Shard(0)
-                    x.meta[LOGICAL_SHAPE] = tuple(val.shape)
+                    x.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
                 else:
                     summed = insert_collective(
                         graph, c10d.all_reduce.default, (x, "sum", d.group_name),
                         val=x.meta["val"], region=region, kind="all_reduce", params=[fqn])
-                    for key in (meta.PLACEMENT, LOGICAL_SHAPE):  # a shard stays a shard
+                    for key in (meta.PLACEMENT, meta.LOGICAL_SHAPE):  # a shard stays a shard
                         if key in x.meta:
                             summed.meta[key] = x.meta[key]
                     x = summed
-        placed = {key: x.meta[key] for key in (meta.PLACEMENT, LOGICAL_SHAPE) if key in x.meta}
+        placed = {key: x.meta[key] for key in (meta.PLACEMENT, meta.LOGICAL_SHAPE) if key in x.meta}
         x = finish_reduction(graph, x, users, divide_by=ranks if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
         x.meta.update(placed)
@@ -171,3 +174,48 @@ def mesh_dim_of(gm: fx.GraphModule, collective: fx.Node) -> int | None:
     names = gm.meta.get(meta.MESH_DIMS) or []
     group = collective.args[-1] if collective.args else None
     return names.index(group) if group in names else None
+
+
+def expand_replicate(
+    gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True,
+    reduce_dtype: torch.dtype | None = None, divide_after_sum: bool = False,
+    sync_grads: bool = True,
+) -> fx.GraphModule:
+    """The replicate layout (``Replicate()`` on a 1-D mesh) of passes/expand.py's expansion.
+
+    Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
+    (DDP divides before it sums); every later use of the gradient reads the averaged value
+    (the wait node, marked SYNCED_GRAD). With ``reduce_dtype`` (mixed precision) a gradient of
+    another dtype is cast to it before the division and back after the wait (the cast back is
+    then the SYNCED_GRAD node). With ``divide_after_sum`` the sum is divided instead (FSDP2's
+    order: ``ReduceOp.AVG``). ``sync_grads=False`` (a step that only accumulates gradients)
+    inserts no gradient collective.
+    With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
+    of the step (DDP's default), in one collective. Collective nodes get ROLE=COLLECTIVE and
+    COLLECTIVE meta.
+    """
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Replicate())],
+                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+                                divide_after_sum=divide_after_sum, sync_grads=sync_grads)
+
+
+def expand_fully_shard(
+    gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
+    broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
+    divide_after_sum: bool = False, sync_grads: bool = True,
+    accumulate_cap_bytes: int | None = None,
+) -> fx.GraphModule:
+    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
+
+    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
+    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
+    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
+    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
+    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
+    Mixed precision, the division's order, accumulation: see ``expand_data_parallel``.
+    """
+    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
+                                reshard_after_forward=reshard_after_forward,
+                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+                                divide_after_sum=divide_after_sum, sync_grads=sync_grads,
+                                accumulate_cap_bytes=accumulate_cap_bytes)

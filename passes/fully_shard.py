@@ -34,7 +34,6 @@ class ShardingError(Exception):
     """The step does something to parameter / optimizer-state shards that sharding would change."""
 
 
-LOGICAL_SHAPE = "spmd_fully_shard_logical_shape"  # private to this pass: a shard's unsharded shape
 
 
 def shard_rows(n: int, world: int) -> int:
@@ -97,30 +96,6 @@ def _forward_chain(full: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def expand_fully_shard(
-    gm: fx.GraphModule, *, group_name: str, world_size: int, reshard_after_forward: bool = True,
-    broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
-    divide_after_sum: bool = False, sync_grads: bool = True,
-    accumulate_cap_bytes: int | None = None,
-) -> fx.GraphModule:
-    """The fully_shard layout (``Shard(0)`` on a 1-D mesh) of passes/expand.py's expansion.
-
-    PARAM and same-shaped OPT_STATE placeholders become padded dim-0 shards (``shard_parameters``);
-    each gradient is padded, divided by the world size and ``reduce_scatter``-ed, its optimizer
-    uses reading the shard (the wait, marked SYNCED_GRAD); reductions over shards inside the
-    optimizer region (e.g. a global grad norm) get the all_reduce that makes them whole
-    (``reduce_optimizer_partials``). Buffers are broadcast from rank 0 as in replicate.
-    Mixed precision, the division's order, accumulation: see ``expand_data_parallel``.
-    """
-    from .expand import MeshDim, expand_data_parallel
-
-    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Shard(0))],
-                                reshard_after_forward=reshard_after_forward,
-                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
-                                divide_after_sum=divide_after_sum, sync_grads=sync_grads,
-                                accumulate_cap_bytes=accumulate_cap_bytes)
-
-
 def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
                      reshard_after_forward: bool = True) -> dict[str, tuple[fx.Node, torch.Tensor]]:
     """Make the parameters dim-0 shards over ``group_name``; return the sharded ones
@@ -153,7 +128,7 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
         if fqn in param_shapes and role in (meta.Role.PARAM, meta.Role.OPT_STATE) and (
             tuple(val.shape) == param_shapes[fqn]
         ):
-            node.meta[LOGICAL_SHAPE] = tuple(val.shape)
+            node.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
             node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
 
@@ -271,7 +246,7 @@ def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, di
     total = finish_reduction(graph, total, users, divide_by=world if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
     total.meta[meta.PLACEMENT] = Shard(0)
-    total.meta[LOGICAL_SHAPE] = tuple(val.shape)
+    total.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
     total.meta[meta.SYNCED_GRAD] = fqn
     for u in users:
         u.replace_input_with(grad, total)
@@ -307,7 +282,7 @@ def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -
     # Shapes as the unsharded step sees them (node.meta["val"] of optimizer-region nodes still
     # holds those): a shard-derived value keeps its parameter's logical shape.
     sharded: dict[fx.Node, tuple] = {
-        n: n.meta[LOGICAL_SHAPE] for n in graph.nodes if LOGICAL_SHAPE in n.meta
+        n: n.meta[meta.LOGICAL_SHAPE] for n in graph.nodes if meta.LOGICAL_SHAPE in n.meta
     }
     for node in list(graph.nodes):
         if node.meta.get(meta.REGION) != meta.Region.OPTIMIZER or node in sharded:

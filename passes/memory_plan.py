@@ -15,6 +15,7 @@ one at a time), grown to the largest plan; ``workspace_bytes()`` says how much i
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -137,8 +138,9 @@ def plan_static_memory(gm: fx.GraphModule, *, min_bytes: int = 2**20) -> fx.Grap
 
     Offsets: largest first, each at the lowest offset (64-byte aligned) that no tensor alive at
     the same time occupies. Reads: node.meta["val"], op schemas, users. Writes: one workspace
-    node per device at the top of the graph, a view of it per planned tensor, the planned ops'
-    targets and ``out`` arguments; recompiles.
+    node per device at the top of the graph, a view of it per planned tensor (each node's
+    ``val`` computed by its op on the graph's fake values), the planned ops' targets and ``out``
+    arguments; recompiles.
     """
     graph = gm.graph
     nodes = list(graph.nodes)
@@ -160,9 +162,11 @@ def plan_static_memory(gm: fx.GraphModule, *, min_bytes: int = 2**20) -> fx.Grap
     for device in dict.fromkeys(n.meta["val"].device for n, _, _ in planned):
         here = [(n, nbytes, out_op) for n, nbytes, out_op in planned if n.meta["val"].device == device]
         offsets, total = _pack([(pos[n], last[n], -(-nbytes // ALIGN) * ALIGN) for n, nbytes, _ in here])
+        mode = getattr(here[0][0].meta["val"], "fake_mode", None) or contextlib.nullcontext()
         with graph.inserting_before(first):
             ws = graph.call_function(workspace, (total, device))
-        ws.meta["val"] = torch.empty(total, dtype=torch.uint8, device="meta")
+        with mode:  # the values the ops give, on the graph's fake tensors
+            ws.meta["val"] = torch.empty(total, dtype=torch.uint8, device=device)
         ws.meta[meta.REGION] = first.meta.get(meta.REGION)
         for (n, nbytes, out_op), offset in zip(here, offsets):
             val = n.meta["val"]
@@ -171,7 +175,9 @@ def plan_static_memory(gm: fx.GraphModule, *, min_bytes: int = 2**20) -> fx.Grap
                 typed = graph.call_function(aten.view.dtype, (flat, val.dtype))
                 buf = graph.call_function(aten.view.default, (typed, list(val.shape)))
             for view in (flat, typed, buf):
-                view.meta["val"] = val if view is buf else torch.empty(0, device="meta")
+                with mode:
+                    view.meta["val"] = view.target(*[a.meta["val"] if isinstance(a, fx.Node) else a
+                                                     for a in view.args])
                 view.meta[meta.REGION] = n.meta.get(meta.REGION)
             if out_op is aten.empty.memory_format:
                 n.replace_all_uses_with(buf)

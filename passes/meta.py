@@ -50,6 +50,9 @@ MODEL_PARALLEL = "spmd_model_parallel"
 PLACEMENT = "spmd_placement"
 
 # Written by the expansion passes (replicate / fully_shard) and the optimizers of collectives.
+# tuple[int, ...]: a parameter shard's unsharded shape, on shard nodes while the expansion runs
+# (passes/fully_shard.py, expand.py); removed when the expansion ends.
+LOGICAL_SHAPE = "spmd_fully_shard_logical_shape"
 COLLECTIVE = "spmd_collective"  # dict(kind=str, bytes=int, params=list[str]) on the issuing node
 # str: the parameter whose gradient, averaged over ranks, this node holds (the wait of its
 # all_reduce; in fully_shard of its reduce_scatter: the padded local shard). Expansion only.

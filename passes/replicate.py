@@ -1,39 +1,13 @@
-"""Replicate (DDP-like) layout: average every parameter gradient over the ranks; buffers
+"""Replicate (DDP-like) layout pieces of the expansion (passes/expand.py): buffers
 broadcast from rank 0."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Replicate
 
 from . import meta
 from .collectives import aten, c10d, insert_call, insert_collective
-
-
-def expand_replicate(
-    gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True,
-    reduce_dtype: torch.dtype | None = None, divide_after_sum: bool = False,
-    sync_grads: bool = True,
-) -> fx.GraphModule:
-    """The replicate layout (``Replicate()`` on a 1-D mesh) of passes/expand.py's expansion.
-
-    Writes: after each gradient node, ``div(world_size)`` + ``all_reduce(sum)`` + ``wait_tensor``
-    (DDP divides before it sums); every later use of the gradient reads the averaged value
-    (the wait node, marked SYNCED_GRAD). With ``reduce_dtype`` (mixed precision) a gradient of
-    another dtype is cast to it before the division and back after the wait (the cast back is
-    then the SYNCED_GRAD node). With ``divide_after_sum`` the sum is divided instead (FSDP2's
-    order: ``ReduceOp.AVG``). ``sync_grads=False`` (a step that only accumulates gradients)
-    inserts no gradient collective.
-    With ``broadcast_buffers``, rank 0's buffers are copied into every rank's buffers at the start
-    of the step (DDP's default), in one collective. Collective nodes get ROLE=COLLECTIVE and
-    COLLECTIVE meta.
-    """
-    from .expand import MeshDim, expand_data_parallel
-
-    return expand_data_parallel(gm, [MeshDim(group_name, world_size, Replicate())],
-                                broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
-                                divide_after_sum=divide_after_sum, sync_grads=sync_grads)
 
 
 def broadcast_buffers_from_rank0(graph: fx.Graph, group_name: str, world_size: int) -> None:

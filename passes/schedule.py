@@ -50,114 +50,9 @@ def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 1
     Writes: node order only.
     """
     graph = gm.graph
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    deps = step_dependencies(graph)
-    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
-    for n, before in deps.items():
-        for d in before:
-            users[d].append(n)
-
-    def wait_of(issue: fx.Node) -> fx.Node | None:
-        waits = [u for u in issue.users if u.target is c10d.wait_tensor.default]
-        return waits[0] if len(waits) == 1 and len(issue.users) == 1 else None
-
-    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default
-               and n.meta.get(meta.REGION) != meta.Region.OPTIMIZER and wait_of(n)]
-    reductions = [n for n in nodes if n.target in _GRADIENT_COLLECTIVES and wait_of(n)
-                  and n.meta.get(meta.REGION) == meta.Region.BACKWARD
-                  and (n.meta.get(meta.COLLECTIVE) or {}).get("params")]
-    waits = {wait_of(n): n for n in gathers + reductions}
-    optimizer = [n for n in nodes if n.op == "call_function"
-                 and n.meta.get(meta.REGION) == meta.Region.OPTIMIZER]
-    groups = {issue: _with_feeders(issue, deps, users) for issue in gathers + reductions}
-    deferred = set(waits) | set(optimizer) | {n for g in groups.values() for n in g}
-    after_gradient = _after(nodes, deps, {wait_of(n) for n in reductions})
-    updates = [n for n in optimizer if n in after_gradient and n.meta.get(meta.ROLE) is None
-               and updates_in_backward]
-    update_groups = {n: _optimizer_closure(n, deps) for n in updates}
-
-    def external(group: set[fx.Node]) -> set[fx.Node]:
-        return {d for n in group for d in deps[n]} - group
-
-    needs = {n: external(g) for n, g in {**groups, **update_groups}.items()}
-    sizes = {g: tensor_bytes(wait_of(g).meta.get("val")) or 0 for g in gathers}  # gathered
-    sizes.update({r: tensor_bytes(r.args[0].meta.get("val")) or 0 for r in reductions})  # full
-    prefetch_cap = int((prefetch_cap_mb or 0) * MB)
-    reduce_cap = int((reduce_cap_mb or 0) * MB)
-    forward_gathers = {wait_of(g) for g in gathers if g.meta.get(meta.REGION) == meta.Region.FORWARD}
-
-    out: list[fx.Node] = []
-    done: set[fx.Node] = set()
-    state = {"ahead": 0, "unreduced": 0}
-    in_flight: list[fx.Node] = []  # gradient collectives issued, not waited on
-
-    def emit(node: fx.Node) -> None:
-        """Emit ``node`` after whatever it depends on that is not emitted yet (graph order)."""
-        pending, todo = set(), [node]
-        while todo:
-            n = todo.pop()
-            if n not in done and n not in pending:
-                pending.add(n)
-                todo.extend(deps[n])
-        for n in sorted(pending, key=pos.__getitem__):
-            if n in done:  # a view emitted with its wait just before
-                continue
-            done.add(n)
-            out.append(n)
-            if n in gathers:
-                state["ahead"] += sizes[n]
-            elif n in reductions:
-                state["unreduced"] += sizes[n]
-                in_flight.append(n)
-            elif n in waits:
-                issue = waits[n]
-                if issue in gathers:
-                    state["ahead"] -= sizes[issue]
-                else:
-                    state["unreduced"] -= sizes[issue]
-                    in_flight.remove(issue)
-                for view in views_of(n):  # a bucket's per-parameter slices cost nothing
-                    if view not in done and deps[view] <= done:
-                        done.add(view)
-                        out.append(view)
-            if n in groups and (not overlap or (n in reductions and not reduce_cap)):
-                emit(wait_of(n))
-
-    def push() -> bool:
-        """Issue what the rule lets go now; True if anything was emitted."""
-        for issue in reductions:
-            if issue not in done and needs[issue] <= done:
-                while in_flight and state["unreduced"] + sizes[issue] > reduce_cap:
-                    emit(wait_of(in_flight[0]))
-                emit(issue)
-                return True
-        for update in updates:
-            if update not in done and needs[update] <= done:
-                emit(update)
-                return True
-        issue = next((g for g in gathers if g not in done), None)
-        if (issue is not None and needs[issue] <= done and prefetch_cap
-                and (state["ahead"] == 0 or state["ahead"] + sizes[issue] <= prefetch_cap)
-                and (issue.meta.get(meta.REGION) != meta.Region.BACKWARD or forward_gathers <= done)):
-            emit(issue)
-            return True
-        return False
-
-    for node in nodes:
-        if node.op == "placeholder":
-            emit(node)
-    for node in _persistent_results(graph):
-        emit(node)
-    for node in nodes:
-        if node in done or node in deferred or node.op == "output":
-            continue
-        emit(node)
-        while push():
-            pass
-    for node in nodes:  # what nothing pulled (updates whose results nobody reads), then the output
-        emit(node)
-    assert len(out) == len(nodes) == len(set(out)), "the schedule must place every node once"
+    out = _Schedule(graph, int((prefetch_cap_mb or 0) * MB), int((reduce_cap_mb or 0) * MB),
+                    overlap, updates_in_backward).order()
+    assert len(out) == len(graph.nodes) == len(set(out)), "the schedule must place every node once"
     anchor = None
     for node in out:
         if anchor is not None and anchor.next is not node:
@@ -166,6 +61,127 @@ def schedule_for_memory(gm: fx.GraphModule, *, prefetch_cap_mb: float | None = 1
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _wait_of(issue: fx.Node) -> fx.Node | None:
+    waits = [u for u in issue.users if u.target is c10d.wait_tensor.default]
+    return waits[0] if len(waits) == 1 and len(issue.users) == 1 else None
+
+
+class _Schedule:
+    """The state of one ordering: what each node waits for, what is emitted, what is in flight."""
+
+    def __init__(self, graph: fx.Graph, prefetch_cap: int, reduce_cap: int, overlap: bool,
+                 updates_in_backward: bool):
+        self.graph, self.prefetch_cap, self.reduce_cap, self.overlap = (
+            graph, prefetch_cap, reduce_cap, overlap)
+        nodes = self.nodes = list(graph.nodes)
+        self.pos = {n: i for i, n in enumerate(nodes)}
+        deps = self.deps = step_dependencies(graph)
+        users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
+        for n, before in deps.items():
+            for d in before:
+                users[d].append(n)
+        gathers = self.gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default
+                                  and n.meta.get(meta.REGION) != meta.Region.OPTIMIZER and _wait_of(n)]
+        reductions = self.reductions = [
+            n for n in nodes if n.target in _GRADIENT_COLLECTIVES and _wait_of(n)
+            and n.meta.get(meta.REGION) == meta.Region.BACKWARD
+            and (n.meta.get(meta.COLLECTIVE) or {}).get("params")]
+        self.waits = {_wait_of(n): n for n in gathers + reductions}
+        optimizer = [n for n in nodes if n.op == "call_function"
+                     and n.meta.get(meta.REGION) == meta.Region.OPTIMIZER]
+        self.groups = {issue: _with_feeders(issue, deps, users) for issue in gathers + reductions}
+        self.deferred = set(self.waits) | set(optimizer) | {n for g in self.groups.values() for n in g}
+        after_gradient = _after(nodes, deps, {_wait_of(n) for n in reductions})
+        self.updates = [n for n in optimizer if n in after_gradient
+                        and n.meta.get(meta.ROLE) is None and updates_in_backward]
+        update_groups = {n: _optimizer_closure(n, deps) for n in self.updates}
+        self.needs = {n: {d for m in g for d in deps[m]} - g
+                      for n, g in {**self.groups, **update_groups}.items()}
+        self.sizes = {g: tensor_bytes(_wait_of(g).meta.get("val")) or 0 for g in gathers}  # gathered
+        self.sizes.update({r: tensor_bytes(r.args[0].meta.get("val")) or 0 for r in reductions})
+        self.forward_gathers = {_wait_of(g) for g in gathers
+                                if g.meta.get(meta.REGION) == meta.Region.FORWARD}
+        self.out: list[fx.Node] = []
+        self.done: set[fx.Node] = set()
+        self.ahead = self.unreduced = 0  # bytes gathered ahead of use; full gradients in flight
+        self.in_flight: list[fx.Node] = []  # gradient collectives issued, not waited on
+
+    def order(self) -> list[fx.Node]:
+        """Every node, in the order the rule gives."""
+        for node in self.nodes:
+            if node.op == "placeholder":
+                self.emit(node)
+        for node in _persistent_results(self.graph):
+            self.emit(node)
+        for node in self.nodes:
+            if node in self.done or node in self.deferred or node.op == "output":
+                continue
+            self.emit(node)
+            while self.push():
+                pass
+        for node in self.nodes:  # what nothing pulled (updates whose results nobody reads), then the output
+            self.emit(node)
+        return self.out
+
+    def emit(self, node: fx.Node) -> None:
+        """Emit ``node`` after whatever it depends on that is not emitted yet (graph order)."""
+        done, pending, todo = self.done, set(), [node]
+        while todo:
+            n = todo.pop()
+            if n not in done and n not in pending:
+                pending.add(n)
+                todo.extend(self.deps[n])
+        for n in sorted(pending, key=self.pos.__getitem__):
+            if n in done:  # a view emitted with its wait just before
+                continue
+            done.add(n)
+            self.out.append(n)
+            self._account(n)
+            if n in self.groups and (not self.overlap or (n in self.reductions and not self.reduce_cap)):
+                self.emit(_wait_of(n))
+
+    def _account(self, n: fx.Node) -> None:
+        """Bytes in flight after emitting ``n``; a wait's views follow it."""
+        if n in self.gathers:
+            self.ahead += self.sizes[n]
+        elif n in self.reductions:
+            self.unreduced += self.sizes[n]
+            self.in_flight.append(n)
+        elif n in self.waits:
+            issue = self.waits[n]
+            if issue in self.gathers:
+                self.ahead -= self.sizes[issue]
+            else:
+                self.unreduced -= self.sizes[issue]
+                self.in_flight.remove(issue)
+            for view in views_of(n):  # a bucket's per-parameter slices cost nothing
+                if view not in self.done and self.deps[view] <= self.done:
+                    self.done.add(view)
+                    self.out.append(view)
+
+    def push(self) -> bool:
+        """Issue what the rule lets go now; True if anything was emitted."""
+        done, needs = self.done, self.needs
+        for issue in self.reductions:
+            if issue not in done and needs[issue] <= done:
+                while self.in_flight and self.unreduced + self.sizes[issue] > self.reduce_cap:
+                    self.emit(_wait_of(self.in_flight[0]))
+                self.emit(issue)
+                return True
+        for update in self.updates:
+            if update not in done and needs[update] <= done:
+                self.emit(update)
+                return True
+        issue = next((g for g in self.gathers if g not in done), None)
+        if (issue is not None and needs[issue] <= done and self.prefetch_cap
+                and (self.ahead == 0 or self.ahead + self.sizes[issue] <= self.prefetch_cap)
+                and (issue.meta.get(meta.REGION) != meta.Region.BACKWARD
+                     or self.forward_gathers <= done)):
+            self.emit(issue)
+            return True
+        return False
 
 
 def _persistent_results(graph: fx.Graph) -> list[fx.Node]:

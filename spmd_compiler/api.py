@@ -38,7 +38,7 @@ from .eager import attach as attach_eager_use, refuse_bound
 from .errors import NoProcessGroupError, SPMDError
 from .mixed_precision import check_policy
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
-from .tensor_parallel import data_parallel_mesh, graph_inputs, has_plan
+from .tensor_parallel import DataParallelDims, graph_inputs, has_plan
 from .pipeline import BuildOptions, build_program, dump_dir_for_compile, info
 from .runtime import (
     CompiledGraph,
@@ -70,9 +70,8 @@ class CompiledStep:
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
                  check_ranks: bool = True, retain_host_memory: bool = True,
                  cache_dir: str | None = None, mesh=None):
-        # without DataParallel, a tensor-parallel plan over the whole mesh runs alone
-        self.data_parallel_given = parallel_mode is not None
-        parallel_mode = parallel_mode or DataParallel("replicate")
+        self._data_mesh = DataParallelDims(parallel_mode)  # (mesh, step args) -> dims left to dp
+        parallel_mode = self._data_mesh.mode  # none given: replicate, or a plan over every dim alone
         _check_options(parallel_mode, backend, mesh)
         functools.update_wrapper(self, fn)
         self.fn, self.parallel_mode, self.backend = fn, parallel_mode, backend
@@ -92,7 +91,6 @@ class CompiledStep:
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
         self._kept = KeptGradients()  # gradients accumulated by calls inside no_sync()
-        self._data_meshes: dict[tuple[int, int], Any] = {}  # (mesh, module) -> data-parallel dims
 
     def no_sync(self):
         """Calls of the step inside this block run its forward and backward only: gradients
@@ -117,8 +115,7 @@ class CompiledStep:
             raise
         mesh = self._mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
         key = self._step_key(sa)
-        inputs = graph_inputs([sa.leaves[i] for i in sa.input_indices])
-        dp_mesh = self._data_mesh(mesh, sa)
+        inputs, dp_mesh = graph_inputs(sa), self._data_mesh(mesh, sa)
         hparams = lifted_hparams(sa)
         fits = [k for k, e in enumerate(self._programs)
                 if e.static_key == key and e.guards_hold(inputs, hparams)]
@@ -145,19 +142,6 @@ class CompiledStep:
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
             return entry(sa, dp_mesh, hparams, self._kept.grads)
-
-    def _data_mesh(self, mesh, sa: StepArgs):
-        """The dims of ``mesh`` left to data parallelism once a tensor-parallel plan's are taken
-        out (None: the plan uses them all); spmd_compiler/tensor_parallel.py. Raises before any
-        state changes when the plan does not fit the mesh."""
-        key = (id(mesh), id(sa.module))
-        if key not in self._data_meshes:
-            dp_mesh = data_parallel_mesh(mesh, sa.module, [sa.leaves[i] for i in sa.input_indices],
-                                         self.data_parallel_given)
-            if dp_mesh is not None and dp_mesh is not mesh:
-                check_mesh(self.parallel_mode, dp_mesh)
-            self._data_meshes[key] = dp_mesh
-        return self._data_meshes[key]
 
     def _mesh(self, device: torch.device):
         """The step's mesh: the one given, else the 1-D mesh over the default group."""
@@ -220,9 +204,7 @@ class CompiledStep:
             info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
         if why:
             info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
-        dp_mesh = self._data_mesh(mesh, sa)  # tensor parallelism alone: no data-parallel dim
-        dims = mesh_dims(dp_mesh) if dp_mesh is not None else []
-        program = build_program(self.fn, sa, build_options(self, dims, dynamic))
+        program = build_program(self.fn, sa, build_options(self, self._data_mesh.dims(mesh, sa), dynamic))
         return _Ready(program.final_traced, program.runnable, program.guard_code, program.seconds,
                       describe_graph(program.gm), len(program.gm.graph.nodes))
 
@@ -365,7 +347,7 @@ def summary_text(step: CompiledStep) -> str | None:
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
     """The device of the first module or tensor among the arguments (for the error path)."""
-    import torch.utils._pytree as pytree
+    from .torch_internals import pytree
 
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.nn.Module):

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
 
+from .torch_internals import pytree
 from .tracing import StepArgs, TracedStep
 
 log = logging.getLogger("spmd_compiler")

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .torch_internals import local_tensor, dtensor_spec
 from .errors import StepSignatureError
 from .runtime import communication_failures, is_sharded, local_buffer, shard_dim, shard_size
 
@@ -141,11 +142,11 @@ class EagerUse:
             for p, t, version in zip(self.params, tensors, self._versions):
                 if _sharded(p) and t._version != version:
                     start = rank * _rows(p, shard_size(self.mesh))
-                    p._local_tensor.copy_(t[start: start + p._local_tensor.shape[0]])
+                    local_tensor(p).copy_(t[start: start + local_tensor(p).shape[0]])
 
     def _plain_tensors(self) -> list[torch.Tensor]:
         sharded = [i for i, p in enumerate(self.params) if _sharded(p)]
-        out = [p._local_tensor for p in self.params]
+        out = [local_tensor(p) for p in self.params]
         if sharded:
             full = _gather([self.params[i] for i in sharded], self.mesh)
             for i, t in zip(sharded, full):
@@ -276,7 +277,7 @@ class _BindParams(torch.autograd.Function):
                 continue
             gs = [grads[i] if grads[i] is not None else torch.zeros(params[i].shape,
                                                                   dtype=params[i].dtype,
-                                                                  device=params[i]._local_tensor.device)
+                                                                  device=local_tensor(params[i]).device)
                   for i in idx]
             averaged = (_reduce_scatter_mean if sharded else _all_reduce_mean)(
                 gs, [params[i] for i in idx], eager.mesh)
@@ -374,7 +375,7 @@ def _all_reduce_over(flat: torch.Tensor, dims, mesh: DeviceMesh, what: str) -> N
 
 def _like(local: torch.Tensor, p: DTensor) -> DTensor:
     """A DTensor with ``p``'s placement, global shape and stride around ``local``."""
-    return DTensor(local, p._spec, requires_grad=False)
+    return DTensor(local, dtensor_spec(p), requires_grad=False)
 
 
 def _wait(work, group, what: str) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .torch_internals import has_kernel
+
 _FUSED_OPTIMIZERS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
 _LIBRARY = torch.library.Library("aten", "IMPL")  # kept alive: the registrations live with it
 
@@ -30,8 +32,7 @@ def _register() -> list[str]:
         for overload in packet.overloads():
             qualified = name if overload == "default" else f"{name}.{overload}"
             schema = getattr(packet, overload)._schema
-            if schema.returns or torch._C._dispatch_has_kernel_for_dispatch_key(
-                    f"aten::{qualified}", "Meta"):
+            if schema.returns or has_kernel(f"aten::{qualified}", "Meta"):
                 continue
             _LIBRARY.impl(qualified, _updates_in_place, "Meta")
             registered.append(qualified)

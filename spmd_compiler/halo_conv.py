@@ -22,14 +22,13 @@ halo needed).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .errors import UnsupportedError
+from .torch_internals import dtensor_op_handlers, local_tensor
 
 aten = torch.ops.aten
 
@@ -92,22 +91,22 @@ def _conv_args(args, width: int):
 def _forward(op_call, args, kwargs):
     inp, weight, bias = args[0], args[1], args[2]
     mesh = inp.device_mesh
-    x = inp._local_tensor
+    x = local_tensor(inp)
     stride, padding, dilation, (left, right) = _conv_args(args, x.shape[-1])
-    out = op_call(_widened(x, left, right, mesh), weight._local_tensor,
-                  None if bias is None else bias._local_tensor, stride, padding, dilation, *args[6:])
+    out = op_call(_widened(x, left, right, mesh), local_tensor(weight),
+                  None if bias is None else local_tensor(bias), stride, padding, dilation, *args[6:])
     return DTensor.from_local(out, mesh, [Shard(3)], run_check=False)
 
 
 def _backward(op_call, args, kwargs):
     grad_out, inp, weight = args[0], args[1], args[2]
     mesh = inp.device_mesh
-    x = inp._local_tensor
+    x = local_tensor(inp)
     width = x.shape[-1]
     stride, padding, dilation, (left, right) = _conv_args(
         (None, weight) + tuple(args[3:4]) + tuple(args[4:7]), width)
-    g = grad_out.redistribute(mesh, [Shard(3)])._local_tensor
-    gi, gw, gb = op_call(g, _widened(x, left, right, mesh), weight._local_tensor, args[3],
+    g = local_tensor(grad_out.redistribute(mesh, [Shard(3)]))
+    gi, gw, gb = op_call(g, _widened(x, left, right, mesh), local_tensor(weight), args[3],
                          stride, padding, dilation, *args[7:])
     if gi is not None and (left or right):
         mine = gi[..., left:left + width]
@@ -122,28 +121,19 @@ def _backward(op_call, args, kwargs):
             None if gb is None else DTensor.from_local(gb, mesh, [Partial()], run_check=False))
 
 
-@contextlib.contextmanager
 def halo_convolution():
-    """While recording: DTensor's convolution handlers replaced for width-sharded inputs (the
-    one patch of torch internals this module makes: ``DTensor._op_dispatcher._custom_op_handlers``)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    saved = {op: handlers.get(op) for op in (aten.convolution.default,
-                                               aten.convolution_backward.default)}
+    """While recording: DTensor's convolution handlers replaced for width-sharded inputs."""
+    return dtensor_op_handlers({aten.convolution.default: _forward_or_own,
+                                aten.convolution_backward.default: _backward_or_own})
 
-    def forward(op_call, args, kwargs):
-        if _width_sharded(args[0], args[1], args[2]) and not args[6]:  # (not transposed)
-            return _forward(op_call, args, kwargs)
-        return saved[aten.convolution.default](op_call, args, kwargs)
 
-    def backward(op_call, args, kwargs):
-        if _width_sharded(args[1], args[2], None) and not args[7]:
-            return _backward(op_call, args, kwargs)
-        return saved[aten.convolution_backward.default](op_call, args, kwargs)
+def _forward_or_own(op_call, args, kwargs, own):
+    if _width_sharded(args[0], args[1], args[2]) and not args[6]:  # (not transposed)
+        return _forward(op_call, args, kwargs)
+    return own(op_call, args, kwargs)
 
-    handlers[aten.convolution.default] = forward
-    handlers[aten.convolution_backward.default] = backward
-    try:
-        yield
-    finally:
-        for op, h in saved.items():
-            handlers[op] = h
+
+def _backward_or_own(op_call, args, kwargs, own):
+    if _width_sharded(args[1], args[2], None) and not args[7]:
+        return _backward(op_call, args, kwargs)
+    return own(op_call, args, kwargs)

@@ -112,7 +112,7 @@ def measure_step_memory(step: Callable[[], Any], module: torch.nn.Module,
 def _measured_window(prof) -> tuple[int, int, list[tuple[int, int, int]]]:
     """(start ns, end ns) of the measured call and every CPU allocation event as
     (time ns, bytes allocated (negative: freed), allocator total after it), in time order."""
-    from torch._C._profiler import _EventType
+    from .torch_internals import _EventType
 
     window = None
     events: list[tuple[int, int, int]] = []

@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from .torch_internals import pytree
 from .errors import MixedPrecisionError
 
 

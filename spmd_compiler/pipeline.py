@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 
 from spmd_compiler.passes import batch_dim, meta
 from spmd_compiler.passes.bucketing import bucket_collectives
@@ -50,6 +49,7 @@ from .errors import BatchDimError, UnsupportedError
 from .mixed_precision import reduce_dtype_of
 from .parallel_mode import SHARDED_STYLES, DataParallel
 from .signature import StepSignature
+from .torch_internals import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 from .tracing import StepArgs, TracedStep, trace_step
 
 log = logging.getLogger("spmd_compiler")
@@ -99,6 +99,7 @@ class Stage:
     run: Callable[[Any, _Build], torch.fx.GraphModule]
     does: str  # one line, for docs/architecture.md
     applies: Callable[[BuildOptions], bool] = lambda options: True
+    when: str = "always"  # ``applies`` in words, for docs/architecture.md
     optional: bool = False  # an optimization SPMD_DISABLE_PASSES may skip
 
 
@@ -163,7 +164,7 @@ def analyze(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Placement propagation (passes/batch_dim.py), its failures raised as SPMDErrors."""
     try:
         return batch_dim.annotate_placements(gm)
-    except batch_dim.BatchDimError as e:
+    except batch_dim.PlacementError as e:
         raise BatchDimError(str(e)) from e
 
 
@@ -226,28 +227,31 @@ STAGES: list[Stage] = [
           "(spmd_compiler/tracing.py)"),
     Stage("analyzed", _analyze, "a placement on every tensor (passes/batch_dim.py)"),
     Stage("recompute", _recompute, "activations recomputed in the backward (passes/recompute.py)",
+          when="activation_memory_budget is set",
           applies=lambda o: o.mode.activation_memory_budget is not None),
     Stage("expanded", _expand, "functional collectives per mesh dim, then placements again "
           "(passes/expand.py, replicate.py, fully_shard.py)"),
     Stage("grad_outputs", _grad_outputs, "averaged gradients returned for p.grad "
-          "(passes/grad_outputs.py)", applies=lambda o: o.mode.keep_grads),
+          "(passes/grad_outputs.py)", when="keep_grads", applies=lambda o: o.mode.keep_grads),
     Stage("dead_code", lambda gm, b: eliminate_dead_code(gm), "dead code removed "
           "(passes/cleanup.py)", optional=True),
     Stage("bucketing", _bucketing, "gradient collectives bucketed (passes/bucketing.py)",
-          applies=lambda o: bool(o.mode.bucket_cap_mb), optional=True),
+          when="bucket_cap_mb", applies=lambda o: bool(o.mode.bucket_cap_mb), optional=True),
     Stage("split_optimizer", lambda gm, b: split_optimizer_by_bucket(gm), "the optimizer split "
-          "by bucket (passes/split_optimizer.py)", applies=lambda o: o.mode.split_optimizer,
+          "by bucket (passes/split_optimizer.py)", when="split_optimizer",
+          applies=lambda o: o.mode.split_optimizer, optional=True),
+    Stage("schedule", _schedule, "one memory-aware order of the whole step, overlap included "
+          "(passes/schedule.py)", when="fully_shard, hybrid_shard", applies=_sharded,
           optional=True),
-    Stage("schedule", _schedule, "sharded styles: one memory-aware order of the whole step "
-          "(passes/schedule.py)", applies=_sharded, optional=True),
-    Stage("overlap", lambda gm, b: sink_waits(gm), "replicate: waits sunk to their first use "
-          "(passes/overlap.py)", applies=lambda o: not _sharded(o) and o.mode.overlap,
-          optional=True),
+    Stage("overlap", lambda gm, b: sink_waits(gm), "waits sunk to their first use "
+          "(passes/overlap.py)", when="replicate with overlap",
+          applies=lambda o: not _sharded(o) and o.mode.overlap, optional=True),
     Stage("gm_transformation", lambda gm, b: b.options.gm_transformation(gm),
-          "the user's own GraphModule -> GraphModule",
+          "the user's own GraphModule -> GraphModule", when="gm_transformation is given",
           applies=lambda o: o.gm_transformation is not None),
     Stage("lowered", _lower, "the runnable: the FX graph's Python (in-place buckets, gloo "
-          "collectives, a planned workspace) or Inductor"),
+          "collectives, a planned workspace; passes/inplace.py, gloo_collectives.py, "
+          "memory_plan.py, rank_check.py) or Inductor (backend)"),
 ]
 
 

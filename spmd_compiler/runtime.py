@@ -18,13 +18,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 
 from . import tensor_parallel as tp
+from .torch_internals import dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
 from .signature import StepSignature
 from .tracing import StepArgs, TracedStep
@@ -159,7 +159,7 @@ def padded_rows(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> tuple[t
 
 def local_buffer(dt: torch.Tensor) -> torch.Tensor:
     """The tensor the graph binds for a placed parameter or state (the padded buffer)."""
-    local = dt._local_tensor if isinstance(dt, DTensor) else dt
+    local = local_tensor(dt) if isinstance(dt, DTensor) else dt
     return getattr(dt, "_spmd_buffer", local)
 
 
@@ -172,7 +172,7 @@ def ensure_padded(t: Any, mesh: DeviceMesh) -> Any:
     if not is_sharded(t) or t.dim() == 0 or tp.plan_of(t) is not None:
         return t
     layout = layout_for(t, True, shard_size(mesh))
-    buffer, local = local_buffer(t), t._local_tensor
+    buffer, local = local_buffer(t), local_tensor(t)
     if tuple(buffer.shape) == layout.padded_shape() and (
         local.numel() == 0 or buffer.data_ptr() == local.data_ptr()
     ):
@@ -186,7 +186,7 @@ def ensure_padded(t: Any, mesh: DeviceMesh) -> Any:
 
 
 def _attach(dt: DTensor, buffer: torch.Tensor) -> DTensor:
-    if buffer is not dt._local_tensor:
+    if buffer is not local_tensor(dt):
         dt._spmd_buffer = buffer
     return dt
 
@@ -249,11 +249,11 @@ def _place_planned(module: torch.nn.Module, mesh: DeviceMesh, fully_shard: bool)
     placed: dict[int, torch.nn.Parameter] = {}
     todo = [p for p in module.parameters() if tp.plan_of(p) is not None
             and getattr(p, "_spmd_plan", None) is None]
-    broadcast_from_first([p._local_tensor.detach() for p in todo], mesh)
+    broadcast_from_first([local_tensor(p).detach() for p in todo], mesh)
     for p in todo:
         plan = tp.plan_of(p)
         layout = Layout(plan.local_shape, fully_shard and len(plan.local_shape) > 0, shard_size(mesh))
-        local, buffer = padded_rows(p._local_tensor, layout, mesh)
+        local, buffer = padded_rows(local_tensor(p), layout, mesh)
         new = torch.nn.Parameter(tp.planned_dtensor(local, plan, mesh, layout.sharded),
                                  requires_grad=p.requires_grad)
         new._spmd_buffer, new._spmd_plan = buffer, plan
@@ -333,84 +333,114 @@ def materialize_meta(module: torch.nn.Module, mesh: DeviceMesh, fully_shard: boo
     when a module has no ``reset_parameters`` and no ``init_fn`` is given, or an init leaves a
     tensor unwritten.
     """
-    world = shard_size(mesh)
-    modules = list(_post_order(module))
-    own: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> its meta params
-    own_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
-    buffer_owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
-    for sub in modules:
-        own[id(sub)] = [(n, p) for n, p in sub._parameters.items() if p is not None and p.is_meta]
-        own_buffers[id(sub)] = [(n, b) for n, b in sub._buffers.items() if b is not None and b.is_meta]
-        for name, p in own[id(sub)]:
-            owners[id(p)].append((sub, name))
-        for name, b in own_buffers[id(sub)]:
-            buffer_owners[id(b)].append((sub, name))
-    placed: dict[int, torch.nn.Parameter] = {}
-    made_buffers: dict[int, torch.Tensor] = {}
-    generators = _Generators(device)
-    # Sharded parameters are made whole in one scratch buffer reused by every module (the
-    # heap would otherwise fragment between the whole tensors and the shards kept).
-    scratch_bytes = max((sum(_aligned(p) for _, p in own[id(sub)]) for sub in modules), default=0)
-    scratch = torch.empty(scratch_bytes if fully_shard else 0, dtype=torch.uint8, device=device)
+    m = _Materializer(module, mesh, fully_shard, init_fn, device)
     try:
-        with torch.no_grad(), generators.from_rank0(mesh):
-            for sub in modules:
-                if not own[id(sub)] and not own_buffers[id(sub)]:
-                    continue
-                later, first, offset = [], [], 0
-                for name, p in own[id(sub)]:
-                    if fully_shard:
-                        full = scratch[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-                        offset += _aligned(p)
-                    else:
-                        full = torch.empty(p.shape, dtype=p.dtype, device=device)
-                    new = torch.nn.Parameter(_unset(full), requires_grad=p.requires_grad)
-                    if id(p) in placed:  # a later owner: its init writes a copy that is dropped
-                        later.append(name)
-                        sub._parameters[name] = new
-                        continue
-                    first.append((p, new))
-                    for owner, slot in owners[id(p)]:
-                        owner._parameters[slot] = new
-                for name, b in own_buffers[id(sub)]:
-                    if id(b) not in made_buffers:
-                        made_buffers[id(b)] = full = _unset(torch.empty(b.shape, dtype=b.dtype, device=device))
-                        for owner, slot in buffer_owners[id(b)]:
-                            owner._buffers[slot] = full
-                _initialize(sub, init_fn, module)
-                for name in later:
-                    meta_p = next(p for n, p in own[id(sub)] if n == name)
-                    sub._parameters[name] = placed[id(meta_p)]
-                for meta_p, new in first:
-                    if _is_unset(new):
-                        raise InitializationError(
-                            f"{_where(module, sub)}: its initialization left parameter "
-                            f"{_name_in(sub, new)!r} (partly) unwritten; initialize every "
-                            f"parameter in reset_parameters() or pass DataParallel(param_init_fn=...).")
-                    dt, buffer = to_dtensor(new.detach(), layout_for(new, fully_shard, world), mesh)
-                    placed_p = torch.nn.Parameter(_attach(dt, buffer), requires_grad=new.requires_grad)
-                    placed_p._spmd_buffer = buffer
-                    placed[id(meta_p)] = placed_p
-                    for owner, slot in owners[id(meta_p)]:
-                        owner._parameters[slot] = placed_p
-                for name, b in own_buffers[id(sub)]:
-                    if _is_unset(made_buffers[id(b)]):
-                        raise InitializationError(
-                            f"{_where(module, sub)}: its initialization left buffer {name!r} "
-                            f"unwritten (buffers made in __init__ from data are lost on the meta "
-                            f"device); set it in reset_parameters() or in DataParallel(param_init_fn=...).")
+        with torch.no_grad(), _Generators(device).from_rank0(mesh):
+            for sub in m.modules:
+                if m.own[id(sub)] or m.own_buffers[id(sub)]:
+                    m.materialize(sub)
     except BaseException:
-        for sub in modules:  # back to the meta model: nothing half-done
-            for name, p in own[id(sub)]:
-                sub._parameters[name] = p
-            for name, b in own_buffers[id(sub)]:
-                sub._buffers[name] = b
+        m.restore()  # back to the meta model: nothing half-done
         raise
     if not fully_shard:
-        broadcast_from_first([p._local_tensor for p in placed.values()], mesh)
-    broadcast_from_first(list(made_buffers.values()), mesh)
-    return placed
+        broadcast_from_first([local_tensor(p) for p in m.placed.values()], mesh)
+    broadcast_from_first(list(m.made_buffers.values()), mesh)
+    return m.placed
+
+
+class _Materializer:
+    """One ``materialize_meta``: which module owns which meta tensors, and what is made so far."""
+
+    def __init__(self, root: torch.nn.Module, mesh: DeviceMesh, fully_shard: bool, init_fn,
+                 device: torch.device):
+        self.root, self.mesh, self.fully_shard, self.init_fn, self.device = (
+            root, mesh, fully_shard, init_fn, device)
+        self.world = shard_size(mesh)
+        self.modules = list(_post_order(root))
+        self.own: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> its meta params
+        self.own_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
+        self.buffer_owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
+        for sub in self.modules:
+            self.own[id(sub)] = [(n, p) for n, p in sub._parameters.items()
+                                 if p is not None and p.is_meta]
+            self.own_buffers[id(sub)] = [(n, b) for n, b in sub._buffers.items()
+                                         if b is not None and b.is_meta]
+            for name, p in self.own[id(sub)]:
+                self.owners[id(p)].append((sub, name))
+            for name, b in self.own_buffers[id(sub)]:
+                self.buffer_owners[id(b)].append((sub, name))
+        self.placed: dict[int, torch.nn.Parameter] = {}
+        self.made_buffers: dict[int, torch.Tensor] = {}
+        # Sharded parameters are made whole in one scratch buffer reused by every module (the
+        # heap would otherwise fragment between the whole tensors and the shards kept).
+        scratch_bytes = max((sum(_aligned(p) for _, p in self.own[id(sub)]) for sub in self.modules),
+                            default=0)
+        self.scratch = torch.empty(scratch_bytes if fully_shard else 0, dtype=torch.uint8,
+                                   device=device)
+
+    def materialize(self, sub: torch.nn.Module) -> None:
+        """Make ``sub``'s own meta tensors, initialize it, place its parameters."""
+        later, first = self._make_parameters(sub)
+        for name, b in self.own_buffers[id(sub)]:
+            if id(b) not in self.made_buffers:
+                self.made_buffers[id(b)] = full = _unset(
+                    torch.empty(b.shape, dtype=b.dtype, device=self.device))
+                for owner, slot in self.buffer_owners[id(b)]:
+                    owner._buffers[slot] = full
+        _initialize(sub, self.init_fn, self.root)
+        for name in later:
+            meta_p = next(p for n, p in self.own[id(sub)] if n == name)
+            sub._parameters[name] = self.placed[id(meta_p)]
+        for meta_p, new in first:
+            self._place(sub, meta_p, new)
+        for name, b in self.own_buffers[id(sub)]:
+            if _is_unset(self.made_buffers[id(b)]):
+                raise InitializationError(
+                    f"{_where(self.root, sub)}: its initialization left buffer {name!r} "
+                    f"unwritten (buffers made in __init__ from data are lost on the meta "
+                    f"device); set it in reset_parameters() or in DataParallel(param_init_fn=...).")
+
+    def _make_parameters(self, sub: torch.nn.Module):
+        """Full tensors for ``sub``'s meta parameters: (names of those an earlier module
+        placed, whose init output is dropped; (meta, new) of the others)."""
+        later, first, offset = [], [], 0
+        for name, p in self.own[id(sub)]:
+            if self.fully_shard:
+                size = p.numel() * p.element_size()
+                full = self.scratch[offset:offset + size].view(p.dtype).view(p.shape)
+                offset += _aligned(p)
+            else:
+                full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            new = torch.nn.Parameter(_unset(full), requires_grad=p.requires_grad)
+            if id(p) in self.placed:  # a later owner: its init writes a copy that is dropped
+                later.append(name)
+                sub._parameters[name] = new
+                continue
+            first.append((p, new))
+            for owner, slot in self.owners[id(p)]:
+                owner._parameters[slot] = new
+        return later, first
+
+    def _place(self, sub: torch.nn.Module, meta_p: torch.Tensor, new: torch.nn.Parameter) -> None:
+        if _is_unset(new):
+            raise InitializationError(
+                f"{_where(self.root, sub)}: its initialization left parameter "
+                f"{_name_in(sub, new)!r} (partly) unwritten; initialize every "
+                f"parameter in reset_parameters() or pass DataParallel(param_init_fn=...).")
+        dt, buffer = to_dtensor(new.detach(), layout_for(new, self.fully_shard, self.world), self.mesh)
+        placed_p = torch.nn.Parameter(_attach(dt, buffer), requires_grad=new.requires_grad)
+        placed_p._spmd_buffer = buffer
+        self.placed[id(meta_p)] = placed_p
+        for owner, slot in self.owners[id(meta_p)]:
+            owner._parameters[slot] = placed_p
+
+    def restore(self) -> None:
+        for sub in self.modules:
+            for name, p in self.own[id(sub)]:
+                sub._parameters[name] = p
+            for name, b in self.own_buffers[id(sub)]:
+                sub._buffers[name] = b
 
 
 def _aligned(t: torch.Tensor, align: int = 64) -> int:
@@ -516,7 +546,7 @@ def grad_like(g: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.T
     if is_sharded(param):
         g = g[: layout_for(param, True, shard_size(mesh)).valid_rows(
             mesh.get_local_rank(shard_dim(mesh)))]
-    return DTensor(g, param._spec, requires_grad=False)
+    return DTensor(g, dtensor_spec(param), requires_grad=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,7 +640,7 @@ class CompiledGraph:
         flat += [local_buffer(state_of[id(params[n])][k]) for n, k in sig.states]
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
                  for v, as_tensor in zip(hparams, sig.hparams)]
-        flat += tp.graph_inputs([sa.leaves[i] for i in sa.input_indices])
+        flat += tp.graph_inputs(sa)
         if sig.grads_in:
             flat += [accumulated[n] if n in accumulated else torch.zeros(
                 params[n].shape, dtype=params[n].dtype, device=local_buffer(params[n]).device)

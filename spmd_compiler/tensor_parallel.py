@@ -24,10 +24,13 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .errors import TensorParallelError
+from .parallel_mode import DataParallel, check_mesh, mesh_dims
+from .torch_internals import (
+    concatenate_meshes, dtensor_from_spec, dtensor_has_rule, dtensor_spec, is_dim_shard,
+    local_tensor, shards_of_dim, strided_shard, tensor_hooks,
+)
 from spmd_compiler.passes import meta
 
 
@@ -36,7 +39,7 @@ class Plan:
     """A tensor's tensor-parallel layout: the plan's DTensorSpec (mesh, placements, global shape
     and stride) and the shape of this rank's shard, which is what the step graph holds."""
 
-    spec: DTensorSpec
+    spec: Any  # DTensorSpec
     local_shape: tuple[int, ...]
 
 
@@ -60,7 +63,7 @@ def plan_of(t: Any, owner: Any = None) -> Plan | None:
         return plan
     if hasattr(t, "_spmd_buffer") or t.device_mesh in _DATA_PARALLEL_MESHES:
         return None  # placed by data parallelism alone
-    return Plan(t._spec, tuple(t._local_tensor.shape))
+    return Plan(dtensor_spec(t), tuple(local_tensor(t).shape))
 
 
 def has_plan(module: torch.nn.Module) -> bool:
@@ -86,8 +89,8 @@ def as_planned(fake_local: torch.Tensor, live: Any, owner: Any = None) -> torch.
     plan = plan_of(live, owner)
     if plan is None:
         return fake_local
-    dt = DTensor(fake_local, plan.spec, requires_grad=live.requires_grad)
-    for hook in (getattr(live, "_backward_hooks", None) or {}).values():
+    dt = dtensor_from_spec(fake_local, plan.spec, requires_grad=live.requires_grad)
+    for hook in tensor_hooks(live):
         dt.register_hook(hook)  # e.g. seed 000's gradient redistribute hook
     return dt
 
@@ -127,9 +130,7 @@ def dtensor_fuses(opt: torch.optim.Optimizer) -> bool:
     """Does DTensor have a sharding rule for ``opt``'s fused kernel (the one the recording calls
     with a tensor learning rate)?"""
     op = _FUSED_KERNELS.get(type(opt))
-    prop = DTensor._op_dispatcher.sharding_propagator
-    return op is not None and any(op in table for table in (
-        prop.op_strategy_funcs, prop.op_to_rules, prop.op_single_dim_strategy_funcs))
+    return op is not None and dtensor_has_rule(op)
 
 
 def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:
@@ -152,18 +153,20 @@ def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:
 
 def local_of(t: Any) -> Any:
     """A DTensor's local tensor (what the graph computes), anything else as is."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
-def graph_inputs(inputs: list) -> list:
-    """The step's batch leaves as the graph takes them: a DTensor input by its local shard."""
-    return [local_of(t) for t in inputs]
+def graph_inputs(sa) -> list:
+    """The batch leaves of the step's arguments ``sa`` as the graph takes them: a DTensor input
+    by its local shard."""
+    return [local_of(sa.leaves[i]) for i in sa.input_indices]
 
 
-def refuse_unused_plans(params: list, names: list[str]) -> None:
-    """Raise a TensorParallelError if a parameter a plan placed got no gradient in the step (the
-    plan is on a module the step never calls)."""
-    planned = [n for p, n in zip(params, names) if plan_of(p) is not None]
+def refuse_unused_plans(module: torch.nn.Module, names: list[str]) -> None:
+    """Raise a TensorParallelError if a parameter a plan placed (of ``names``: those that got no
+    gradient in the step) is among them: the plan is on a module the step never calls."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    planned = [n for n in names if plan_of(params[n]) is not None]
     if planned:
         modules = sorted({n.rpartition(".")[0] or "<root>" for n in planned})
         raise TensorParallelError(
@@ -222,6 +225,32 @@ def data_parallel_mesh(mesh: DeviceMesh, module: torch.nn.Module, inputs: list,
     return mesh[rest if len(rest) > 1 else rest[0]]
 
 
+class DataParallelDims:
+    """Per (mesh, module): the dims of the step's mesh left to data parallelism
+    (``data_parallel_mesh``), checked once against the DataParallel asked for (None: none
+    asked for, a plan over every dim runs alone)."""
+
+    def __init__(self, asked):
+        self.given = asked is not None
+        self.mode = asked or DataParallel("replicate")
+        self._dims: dict[tuple[int, int], DeviceMesh | None] = {}
+
+    def __call__(self, mesh: DeviceMesh, sa) -> DeviceMesh | None:
+        key = (id(mesh), id(sa.module))
+        if key not in self._dims:
+            dp_mesh = data_parallel_mesh(mesh, sa.module, [sa.leaves[i] for i in sa.input_indices],
+                                         self.given)
+            if dp_mesh is not None and dp_mesh is not mesh:
+                check_mesh(self.mode, dp_mesh)
+            self._dims[key] = dp_mesh
+        return self._dims[key]
+
+    def dims(self, mesh: DeviceMesh, sa) -> list[tuple[str, int]]:
+        """(group name, size) of each data-parallel dim; none under tensor parallelism alone."""
+        dp_mesh = self(mesh, sa)
+        return mesh_dims(dp_mesh) if dp_mesh is not None else []
+
+
 def _mesh_key(mesh: DeviceMesh) -> tuple:
     """The ranks of ``mesh`` (this rank's), whatever its dims are named."""
     return mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape)
@@ -237,19 +266,19 @@ def stacked_placements(plan: Plan, sharded: bool) -> tuple:
     plan shards dim 0 in ``k`` pieces) or ``Replicate()``, then the plan's."""
     if not sharded:
         return (Replicate(),) + tuple(plan.spec.placements)
-    split = plan.spec.num_shards_map[0]
-    first = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+    split = shards_of_dim(plan.spec, 0)
+    first = strided_shard(0, split) if split > 1 else Shard(0)
     return (first,) + tuple(plan.spec.placements)
 
 
 def dp_sharded(param: DTensor, dp_mesh: DeviceMesh) -> bool:
     """Is a placed tensor-parallel parameter sharded over the data-parallel dims?"""
-    return any(isinstance(p, (Shard, _StridedShard)) for p in param.placements[:dp_mesh.ndim])
+    return any(is_dim_shard(p) for p in param.placements[:dp_mesh.ndim])
 
 
 def root_mesh(dp_mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
     """The mesh of the data-parallel dims and the plan's, data-parallel first."""
-    return DeviceMesh._concatenate([dp_mesh, plan.spec.mesh])
+    return concatenate_meshes([dp_mesh, plan.spec.mesh])
 
 
 def planned_dtensor(local: torch.Tensor, plan: Plan, dp_mesh: DeviceMesh | None,
@@ -258,7 +287,7 @@ def planned_dtensor(local: torch.Tensor, plan: Plan, dp_mesh: DeviceMesh | None,
     shape: on the plan's mesh, or on the whole mesh with the data-parallel placement first."""
     spec = plan.spec
     if dp_mesh is None:
-        dt = DTensor(local, spec, requires_grad=False)
+        dt = dtensor_from_spec(local, spec)
     else:
         dt = DTensor.from_local(local, root_mesh(dp_mesh, plan), stacked_placements(plan, sharded),
                                 run_check=False, shape=spec.shape, stride=spec.stride)

@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
     get_proxy_mode,
     get_proxy_slot,
 )
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+
+from .torch_internals import FakeTensor, TorchDispatchMode, pytree, unset_fake_temporarily
 
 aten = torch.ops.aten
 
@@ -160,7 +159,7 @@ def _replay(graph: fx.Graph, target: fx.Node, root: torch.nn.Module,
             raise _Unknown  # a parameter, buffer, state, batch input or a random op
         else:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-            env[n] = n.target(*tree_map(_specialize, args), **tree_map(_specialize, kwargs))
+            env[n] = n.target(*pytree.tree_map(_specialize, args), **pytree.tree_map(_specialize, kwargs))
     return env
 
 

@@ -16,39 +16,40 @@ step created (when the optimizer had none yet).
 from __future__ import annotations
 
 import contextlib
-import linecache
 import os
-import sys
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import torch.utils._pytree as pytree
-from torch._dynamo.source import ConstantSource
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import (
-    PythonKeyTracer,
-    _MakefxTracer,
-    get_proxy_mode,
-    get_proxy_slot,
-)
-from torch.fx.experimental.symbolic_shapes import (
-    DimDynamic,
-    ShapeEnv,
-    StatelessSymbolicContext,
-    uninteresting_files,
-)
-from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
-from torch.nn.utils.stateless import _reparametrize_module
+from torch.fx.experimental.proxy_tensor import get_proxy_slot
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
 
 from . import fake_kernels  # noqa: F401  (Meta kernels the fused optimizers lack)
-from .recording_speed import faster_symbolic_recording
-from .size_oblivious_reshape import size_oblivious_reshape
+from .torch_internals import (
+    ConstantSource,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    InputShapeEnv,
+    StepRecorder,
+    _get_fused_kernels_supported_devices,
+    _register_stack_trace_anchor,
+    _reparametrize_module,
+    backed_size_oblivious,
+    compiling_forward,
+    faster_symbolic_recording,
+    get_proxy_mode,
+    marked_dynamic_dims,
+    pytree,
+    refuse_reentrant_checkpoint,
+    size_oblivious_reshape,
+    tag_regions,
+)
 from .errors import (
     BatchDimError,
     MissingGradientError,
@@ -60,9 +61,9 @@ from .errors import (
 from .trace_values import ReadConstantValues
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
+from .signature import StepSignature, split_inputs
 from . import tensor_parallel as tp
 from .halo_conv import halo_convolution
-from .signature import StepSignature, split_inputs
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -207,7 +208,7 @@ def _declared_dynamic_dims(args, kwargs, leaves, inputs, dynamic_dims) -> dict[i
     out = {}
     for i in inputs:
         t = leaves[i]
-        dims = set(getattr(t, "_dynamo_dynamic_indices", ()))  # torch._dynamo.mark_dynamic
+        dims = marked_dynamic_dims(t)  # torch._dynamo.mark_dynamic
         if given[i] is not None:
             d = given[i]
             if not -t.dim() <= d < t.dim():
@@ -272,88 +273,17 @@ def _user_frame(exc: BaseException) -> str:
     return f'File "{f.filename}", line {f.lineno}, in {f.name}: {f.line}'
 
 
-@contextlib.contextmanager
-def _tag_regions():
-    """Tag nodes recorded before/inside ``backward()`` as forward/backward regions."""
-    original = torch.autograd.backward
-
-    def tag(region):
-        mode = get_proxy_mode()
-        if mode is not None:
-            for node in mode.tracer.graph.nodes:
-                node.meta.setdefault(meta.REGION, region)
-
-    def backward(*args, **kwargs):
-        tag(meta.Region.FORWARD)
-        result = original(*args, **kwargs)
-        tag(meta.Region.BACKWARD)
-        return result
-
-    torch.autograd.backward = backward
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
-
-
-@contextlib.contextmanager
-def _refuse_reentrant_checkpoint():
-    """Raise on reentrant activation checkpointing: its backward runs a second, nested
-    ``backward()`` on a recomputed graph, which the recording of the step cannot represent.
-    Non-reentrant checkpointing (``use_reentrant=False``, ``CheckpointImpl.NO_REENTRANT``)
-    records the recomputation in the backward and is what the compiled step runs."""
-    from torch.utils import checkpoint
-
-    original = checkpoint.CheckpointFunction.apply
-
-    def refuse(*args, **kwargs):
-        here = os.path.dirname(__file__)
-        roots = (os.path.dirname(torch.__file__), here, os.path.dirname(contextlib.__file__))
-        user = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(roots)]
-        where = (f'File "{user[-1].filename}", line {user[-1].lineno}, in {user[-1].name}: '
-                 f"{user[-1].line}") if user else "<unknown location>"
-        raise UnsupportedError(
-            f"reentrant activation checkpointing at {where} cannot be compiled: its backward "
-            f"runs a nested backward() on a recomputed graph. Use "
-            f"torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
-            f"checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT): the compiled "
-            f"step recomputes the checkpointed forward in the backward the same way.")
-
-    checkpoint.CheckpointFunction.apply = refuse
-    try:
-        yield
-    finally:
-        checkpoint.CheckpointFunction.apply = original
-
-
-@contextlib.contextmanager
-def _compiling_forward(module: torch.nn.Module):
-    """Make ``torch.compiler.is_compiling()`` true while the model's forward is recorded, as
-    torch's own make_fx-based (non-strict) export does: libraries then take their traceable code
-    paths (Hugging Face avoids data-dependent checks and runs its grouped expert matmul as a custom
-    op with a fake kernel). The loss code and the optimizer step run as written."""
-    saved = {"depth": 0, "flag": False}
-
-    def enter(*_):
-        if saved["depth"] == 0:
-            saved["flag"] = torch.compiler._is_compiling_flag
-            torch.compiler._is_compiling_flag = True
-        saved["depth"] += 1
-
-    def leave(*_):
-        saved["depth"] -= 1
-        if saved["depth"] == 0:
-            torch.compiler._is_compiling_flag = saved["flag"]
-
-    hooks = [module.register_forward_pre_hook(enter),
-             module.register_forward_hook(leave, always_call=True)]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-        if saved["depth"]:  # the forward raised
-            torch.compiler._is_compiling_flag = saved["flag"]
+def _reentrant_checkpoint_error(where: str) -> UnsupportedError:
+    """Reentrant activation checkpointing runs a second, nested ``backward()`` on a recomputed
+    graph, which the recording of the step cannot represent. Non-reentrant checkpointing
+    (``use_reentrant=False``, ``CheckpointImpl.NO_REENTRANT``) records the recomputation in the
+    backward and is what the compiled step runs."""
+    return UnsupportedError(
+        f"reentrant activation checkpointing at {where} cannot be compiled: its backward "
+        f"runs a nested backward() on a recomputed graph. Use "
+        f"torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
+        f"checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT): the compiled "
+        f"step recomputes the checkpointed forward in the backward the same way.")
 
 
 def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
@@ -362,8 +292,6 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
     SGD, Adam and AdamW (exactly these classes: a subclass may change the update) with floating
     parameters on a device with fused kernels, not ``differentiable`` nor ``capturable``.
     """
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
     if type(opt) not in FUSABLE_OPTIMIZERS or group.get("differentiable") or group.get("capturable"):
         return False
     if tp.mixes_dtensors(group["params"]):  # one fused kernel cannot take both
@@ -430,89 +358,12 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
             opt.state = state
 
 
-class _StepTracer(PythonKeyTracer):
-    """make_fx's tracer, plus the two annotations the compiler shows users, made cheaply:
-
-    - ``node.stack_trace``: the frames of ``forward`` methods and of the step itself (as
-      make_fx's ``record_stack_traces``), read from the live Python frames instead of a
-      symbolized C++ traceback of the whole stack, and formatted once per distinct stack;
-    - ``node.meta["nn_module_stack"]``: the model's submodules being called (as make_fx's
-      ``record_module_stack``, without its proxies for every module attribute access).
-
-    On a 24-block GPT-2 step this halves the trace (measurements in docs/benchmarks.md).
-    """
-
-    def __init__(self, root_module: torch.nn.Module):
-        super().__init__()
-        self._paths = {}
-        for name, m in root_module.named_modules(remove_duplicate=False):
-            self._paths.setdefault(id(m), name)
-        self._calls: dict[str, int] = {}
-        self._formatted: dict[tuple, str] = {}
-        self._skip = uninteresting_files()
-        self.code_seen: set = set()  # code objects on the stack of any recorded node
-
-    def call_module(self, m, forward, args, kwargs):
-        path = self._paths.get(id(m))
-        if path is None:
-            return forward(*args, **kwargs)
-        calls = self._calls.get(path, 0)
-        self._calls[path] = calls + 1
-        key = f"{path}@{calls}" if calls else path
-        self.module_stack[key] = (path, f"{type(m).__module__}.{type(m).__qualname__}")
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            self.module_stack.pop(key, None)
-
-    def create_node(self, *args, **kwargs):
-        node = super().create_node(*args, **kwargs)
-        if not node.stack_trace:
-            node.stack_trace = self._stack_trace(sys._getframe(1))
-        return node
-
-    def _stack_trace(self, frame) -> str | None:
-        frames = []
-        seen = self.code_seen
-        while frame is not None:
-            code = frame.f_code
-            seen.add(code)
-            if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
-                    and code.co_filename not in self._skip:
-                frames.append((code.co_filename, frame.f_lineno, code.co_name))
-            frame = frame.f_back
-        if not frames:
-            return None
-        key = tuple(frames)
-        text = self._formatted.get(key)
-        if text is None:
-            text = self._formatted[key] = "".join(
-                f'  File "{f}", line {n}, in {name}\n    {linecache.getline(f, n).strip()}\n'
-                for f, n, name in reversed(frames)).strip()
-        return text
-
-
-class _StepRecorder(_MakefxTracer):
-    """make_fx (symbolic) recording with a ``_StepTracer``."""
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__(None, "symbolic", False, False, False, False, True,
-                         _disable_torch_fn_metadata_mode=True)
-        self._module = module
-
-    last_tracer: _StepTracer | None = None
-
-    def _construct_modes_with_fx_tracer(self, fx_tracer):
-        self.fx_tracer = self.last_tracer = _StepTracer(self._module)
-        super()._construct_modes_with_fx_tracer(self.fx_tracer)
-
-
 def record(fn: Callable, module: torch.nn.Module, source_files: set[str] | None = None,
            ) -> Callable[..., torch.fx.GraphModule]:
     """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
     the path of the submodule of ``module`` they were recorded in. Adds to ``source_files`` every
     Python file with code on the stack of a recorded node."""
-    recorder = _StepRecorder(module)
+    recorder = StepRecorder(module)
 
     def run(*args):
         try:
@@ -613,79 +464,52 @@ def _free_symbols(env: ShapeEnv, size, simplify: bool = True) -> set:
     return set(env.simplify(size.node.expr).free_symbols)
 
 
-class _InputShapeEnv(ShapeEnv):
-    """A ShapeEnv that remembers the user's source line that replaced an input symbol (by a
-    constant: a specialization, or by another symbol)."""
+@dataclass
+class _ModuleState:
+    """The step's module and optimizer state as the recording binds it: every parameter and
+    buffer once (tied weights once, named by their first name) and every optimizer state tensor."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.replaced_at: dict = {}
+    named_params: list[tuple[str, torch.Tensor]]  # every name, duplicates included
+    named_buffers: list[tuple[str, torch.Tensor]]
+    params: list[torch.Tensor]  # unique, placeholder order
+    buffers: list[torch.Tensor]
+    fqn_of: dict[int, str]  # id(parameter) -> its name
+    buffer_fqn_of: dict[int, str]
+    states: list[tuple[tuple[str, str], torch.Tensor]]  # ((param fqn, state name), tensor)
 
-    def _set_replacement(self, a, tgt, msg):
-        before = self.replacements.get(a)
-        super()._set_replacement(a, tgt, msg)
-        if self.replacements.get(a) is not before and a not in self.replaced_at:
-            self.replaced_at[a] = _user_line_here()
-
-    def where_replaced(self, symbols) -> str:
-        lines = [self.replaced_at[s] for s in sorted(symbols, key=str) if s in self.replaced_at]
-        return lines[0] if lines else "<unknown location>"
-
-
-def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
-                 dynamic_dims: dict[int, tuple[int, ...]], mp_policy=None,
-                 accumulation: str | None = None) -> TracedStep:
-    """One make_fx recording of the step (see ``trace_step``)."""
-    module = sa.module
-
-    named_params = list(module.named_parameters(remove_duplicate=False))
-    named_buffers = list(module.named_buffers(remove_duplicate=False))
-    unique_params, fqn_of = [], {}
-    for name, p in named_params:
-        if id(p) not in fqn_of:
-            fqn_of[id(p)] = name
-            unique_params.append(p)
-    unique_buffers, buffer_fqn_of = [], {}
-    for name, b in named_buffers:
-        if id(b) not in buffer_fqn_of:
-            buffer_fqn_of[id(b)] = name
-            unique_buffers.append(b)
-
-    opt_params = {id(p) for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
-    for pid in opt_params:
-        if pid not in fqn_of:
+    @staticmethod
+    def of(sa: StepArgs) -> "_ModuleState":
+        module = sa.module
+        named_params = list(module.named_parameters(remove_duplicate=False))
+        named_buffers = list(module.named_buffers(remove_duplicate=False))
+        fqn_of, buffer_fqn_of = {}, {}
+        for name, p in named_params:
+            fqn_of.setdefault(id(p), name)
+        for name, b in named_buffers:
+            buffer_fqn_of.setdefault(id(b), name)
+        params = list({id(p): p for _, p in named_params}.values())
+        buffers = list({id(b): b for _, b in named_buffers}.values())
+        if any(id(p) not in fqn_of for opt in sa.optimizers for g in opt.param_groups
+               for p in g["params"]):
             raise StepSignatureError(
                 "the optimizer holds a parameter that is not a parameter of the step's module; "
                 "compile a step whose module owns every optimized parameter."
             )
+        states = [((fqn_of[id(p)], k), v) for opt in sa.optimizers for p, st in opt.state.items()
+                  for k, v in st.items() if isinstance(v, torch.Tensor)]
+        return _ModuleState(named_params, named_buffers, params, buffers, fqn_of, buffer_fqn_of,
+                            states)
 
-    shape_env = _InputShapeEnv(specialize_zero_one=False)
-    fake_mode = FakeTensorMode(shape_env=shape_env)
-    # A model built on the meta device is recorded on the device its state will live on.
-    home = next((t.device for t in (*unique_params, *unique_buffers) if not t.is_meta),
-                next((sa.leaves[i].device for i in sa.input_indices), torch.device("cpu")))
+    def owner(self, key: tuple[str, str]) -> torch.Tensor:
+        """The parameter an optimizer state (``(param fqn, state name)``) belongs to."""
+        return next(p for p in self.params if self.fqn_of[id(p)] == key[0])
 
-    def fake_static(t, owner=None):
-        shape, dtype, device = _global_meta(t, owner)
-        device = home if device.type == "meta" else device
-        with fake_mode:
-            return torch.empty(shape, dtype=dtype, device=device)
 
-    # a tensor-parallel parameter's placeholder is its local shard; the DTensor around it is the
-    # leaf that requires grad (tensor_parallel.as_planned)
-    fake_params = [fake_static(p).requires_grad_(p.requires_grad and tp.plan_of(p) is None)
-                   for p in unique_params]
-    fake_buffers = [fake_static(b) for b in unique_buffers]
-
-    state_keys, state_fakes, live_states = [], {}, []
-    for opt in sa.optimizers:
-        for p, st in opt.state.items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    key = (fqn_of[id(p)], k)
-                    state_keys.append(key)
-                    state_fakes[key] = fake_static(v, p)
-                    live_states.append((v, p))
+def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool):
+    """The lifted hyperparameters (``lr`` of each param group) as graph inputs: (fake values,
+    Python values, bound as a tensor?). A fused kernel takes its learning rate as a float64 0-d
+    tensor (a float argument would bake the value into the graph); everything else reads a
+    SymFloat."""
     for opt in sa.optimizers:
         for g in opt.param_groups:
             for name in LIFTED_HPARAMS:
@@ -694,16 +518,14 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                         f"a tensor-valued {name!r} in the optimizer's param_groups is not "
                         f"supported; use a Python float (schedulers that change it work)."
                     )
-    # A fused kernel takes its learning rate as a float64 0-d tensor (a float argument would
-    # bake the value into the graph); everything else reads a SymFloat.
-    hparams, hparam_values, hparam_tensors = [], [], []
+    hparams, values, as_tensors = [], [], []
     for opt in sa.optimizers:
-        for gi, g in enumerate(opt.param_groups):
+        for g in opt.param_groups:
             as_tensor = fusable(opt, g) and (fuse_optimizer or bool(g.get("fused")))
             for name in LIFTED_HPARAMS:
                 value = float(g[name])
-                hparam_values.append(value)
-                hparam_tensors.append(as_tensor)
+                values.append(value)
+                as_tensors.append(as_tensor)
                 if as_tensor:
                     with fake_mode:
                         hparams.append(torch.empty((), dtype=torch.float64))
@@ -711,84 +533,93 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                 src = ConstantSource(f"hparam_{len(hparams)}_{name}")
                 sym = shape_env.create_unspecified_symbol(value, src, dynamic_dim=DimDynamic.DYNAMIC)
                 hparams.append(shape_env.create_symfloatnode(sym, hint=value, source=src))
+    return hparams, values, as_tensors
 
-    fake_inputs = _fake_inputs(fake_mode, sa, dynamic_dims)
 
-    grad_nodes: dict[str, torch.fx.Node] = {}
-    created: list[tuple[str, str]] = []
-    source_files: set[str] = set()
-    out_info = {}
+class _StatelessStep:
+    """The step as a function of flat fake tensors (parameters, buffers, optimizer states,
+    lifted hyperparameters, batch inputs, accumulated gradients), as make_fx records it; what
+    the recording found out (gradient nodes, created state, the outputs' structure) is kept."""
 
-    counts = [len(fake_params), len(fake_buffers), len(state_keys), len(hparams)]
-    accumulated = [fqn_of[id(p)] for p in unique_params if p.requires_grad] if accumulation else []
-    fake_grads = [fake_static(p) for p in unique_params if p.requires_grad] if accumulation else []
-    unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
-                 enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
-    reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
+    def __init__(self, fn: Callable, sa: StepArgs, st: _ModuleState, counts: list[int],
+                 num_inputs: int, reads, fuse_optimizer: bool, mp_policy, accumulation):
+        self.fn, self.sa, self.st, self.counts, self.num_inputs = fn, sa, st, counts, num_inputs
+        self.reads, self.fuse, self.mp_policy, self.accumulation = (
+            reads, fuse_optimizer, mp_policy, accumulation)
+        self.grad_nodes: dict[str, torch.fx.Node] = {}
+        self.created: list[tuple[str, str]] = []
+        self.out_spec = None
+        self.out_constants: dict[int, Any] = {}
+        self.num_outputs = 0
 
-    def stateless_step(*flat):
-        params, buffers, states, lifted, inputs = split_inputs(flat, counts)
-        inputs, grads = inputs[:len(fake_inputs)], inputs[len(fake_inputs):]
+    def __call__(self, *flat):
+        sa, st = self.sa, self.st
+        params, buffers, states, lifted, inputs = split_inputs(flat, self.counts)
+        inputs, grads = inputs[:self.num_inputs], inputs[self.num_inputs:]
         # tensor-parallel parameters, states and inputs: DTensors around their local shards
-        params = [tp.as_planned(fp, p) for fp, p in zip(params, unique_params)]
-        states = [tp.as_planned(fs, s, p) for fs, (s, p) in zip(states, live_states)]
+        params = [tp.as_planned(fp, p) for fp, p in zip(params, st.params)]
+        states = [tp.as_planned(fs, v, st.owner(key)) for fs, (key, v) in zip(states, st.states)]
         inputs = [tp.input_as_planned(fi, sa.leaves[i]) for fi, i in zip(inputs, sa.input_indices)]
         leaves = list(sa.leaves)
         for i, t in zip(sa.input_indices, inputs):
             leaves[i] = t
         call_args, call_kwargs = pytree.tree_unflatten(leaves, sa.spec)
-        fake_of = {id(p): fp for p, fp in zip(unique_params, params)}
-        fqn_of_fake = {id(fp): fqn_of[id(p)] for p, fp in zip(unique_params, params)}
-        by_name = {n: fake_of[id(p)] for n, p in named_params}
-        buffer_of = {id(b): fb for b, fb in zip(unique_buffers, buffers)}
-        by_name.update({n: buffer_of[id(b)] for n, b in named_buffers})
-        state_by_key = dict(zip(state_keys, states))
-        with _reparametrize_module(module, by_name, strict=False), _tag_regions(), \
-                _refuse_reentrant_checkpoint(), _bind_optimizers(
-            sa.optimizers, fake_of, state_by_key, lifted, grad_nodes, fqn_of, fuse_optimizer
-        ), reads, _compiling_forward(module), cast_forward(module, mp_policy), accumulating(
-            sa.optimizers, module, list(zip([fp for fp in params if fp.requires_grad], grads)),
-            accumulation,
-        ):
-            out = fn(*call_args, **call_kwargs)
-            grads_out = ([fp.grad for fp in params if fp.requires_grad]
-                         if accumulation == ACCUMULATE else [])
-            new_states = []
-            for opt in sa.optimizers:
-                for fp, st in opt.state.items():
-                    fqn = fqn_of_fake[id(fp)]
-                    for k, v in st.items():
-                        if (fqn, k) in state_by_key:
-                            continue
-                        if not isinstance(v, torch.Tensor):
-                            raise UnsupportedError(
-                                f"the optimizer created a non-tensor state entry {k!r} for "
-                                f"parameter {fqn!r}; only tensor optimizer state is supported."
-                            )
-                        created.append((fqn, k))
-                        new_states.append(tp.local_of(v))
-        out_leaves, out_spec = pytree.tree_flatten(out)
-        out_info["spec"] = out_spec
-        out_info["constants"] = {
+        fake_of = {id(p): fp for p, fp in zip(st.params, params)}
+        by_name = {n: fake_of[id(p)] for n, p in st.named_params}
+        buffer_of = {id(b): fb for b, fb in zip(st.buffers, buffers)}
+        by_name.update({n: buffer_of[id(b)] for n, b in st.named_buffers})
+        state_by_key = dict(zip([k for k, _ in st.states], states))
+        trainable = [fp for fp in params if fp.requires_grad]
+        with _reparametrize_module(sa.module, by_name, strict=False), tag_regions(), \
+                refuse_reentrant_checkpoint(_reentrant_checkpoint_error), _bind_optimizers(
+            sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse
+        ), self.reads, compiling_forward(sa.module), cast_forward(sa.module, self.mp_policy), \
+                accumulating(sa.optimizers, sa.module, list(zip(trainable, grads)), self.accumulation):
+            out = self.fn(*call_args, **call_kwargs)
+            grads_out = [fp.grad for fp in trainable] if self.accumulation == ACCUMULATE else []
+            fqn_of_fake = {id(fp): st.fqn_of[id(p)] for p, fp in zip(st.params, params)}
+            new_states = self._new_states(fqn_of_fake, state_by_key)
+        out_leaves, self.out_spec = pytree.tree_flatten(out)
+        self.out_constants = {
             j: v for j, v in enumerate(out_leaves)
             if not isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
         }
-        traced_out = [tp.local_of(v) for j, v in enumerate(out_leaves) if j not in out_info["constants"]]
-        out_info["n"] = len(traced_out)
+        traced_out = [tp.local_of(v) for j, v in enumerate(out_leaves) if j not in self.out_constants]
+        self.num_outputs = len(traced_out)
         return traced_out + new_states + grads_out
 
+    def _new_states(self, fqn_of_fake: dict, state_by_key: dict) -> list[torch.Tensor]:
+        """The optimizer state the step created (recorded in ``created``)."""
+        new_states = []
+        for opt in self.sa.optimizers:
+            for fp, st in opt.state.items():
+                fqn = fqn_of_fake[id(fp)]
+                for k, v in st.items():
+                    if (fqn, k) in state_by_key:
+                        continue
+                    if not isinstance(v, torch.Tensor):
+                        raise UnsupportedError(
+                            f"the optimizer created a non-tensor state entry {k!r} for "
+                            f"parameter {fqn!r}; only tensor optimizer state is supported."
+                        )
+                    self.created.append((fqn, k))
+                    new_states.append(tp.local_of(v))
+        return new_states
+
+
+def _make_fx(step: _StatelessStep, fake_mode, args: list, source_files: set[str]) -> torch.fx.GraphModule:
+    """Record ``step(*args)``; every failure becomes a TraceError (an UnsupportedError when it
+    is in the optimizer's code)."""
+    fn, sa = step.fn, step.sa
     # Node stack traces keep frames of `forward` methods; anchor the step itself too, so nodes
     # recorded in the step's own lines (grad clipping, loss code) name them.
     _register_stack_trace_anchor(getattr(fn, "__wrapped__", fn))
     try:
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
-        with fake_mode, torch.fx.experimental._config.patch(backed_size_oblivious=True), \
+        with fake_mode, backed_size_oblivious(), \
                 faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution():
-            gm = record(stateless_step, module, source_files)(
-                *fake_params, *fake_buffers, *[state_fakes[k] for k in state_keys], *hparams,
-                *fake_inputs, *fake_grads,
-            )
+            return record(step, sa.module, source_files)(*args)
     except SPMDError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a TraceError
@@ -805,31 +636,50 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
             ) from e
         raise TraceError(_describe_trace_failure(e)) from e
 
-    remove_profiler_nodes(gm)
-    tp.mark_plan_collectives(gm)
-    _check_matmul_dtypes(gm)
-    _annotate(
-        gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, len(hparams), sa,
-        grad_nodes, dynamic_dims,
-    )
-    trailing = [n for n in gm.graph.nodes if n.op == "placeholder" and meta.ROLE not in n.meta]
-    for n, fqn in zip(trailing, accumulated):  # unbatched inputs: this rank's own gradients
-        n.meta.update({meta.ROLE: meta.Role.INPUT, meta.INPUT_BATCH_DIM: None,
-                       meta.INPUT_DYNAMIC_DIMS: (), meta.INPUT_PATH: f"accumulated grad of {fqn}"})
 
-    missing = [fqn_of[id(p)] for p in unique_params if p.requires_grad and fqn_of[id(p)] not in grad_nodes]
-    tp.refuse_unused_plans([p for p in unique_params if fqn_of[id(p)] in missing], missing)
-    if missing:
-        raise MissingGradientError(
-            f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "
-            f"by the loss. Set requires_grad=False on parameters that are frozen, or remove them."
-        )
+def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
+                 dynamic_dims: dict[int, tuple[int, ...]], mp_policy=None,
+                 accumulation: str | None = None) -> TracedStep:
+    """One make_fx recording of the step (see ``trace_step``)."""
+    st = _ModuleState.of(sa)
+    shape_env = InputShapeEnv(specialize_zero_one=False)
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    # A model built on the meta device is recorded on the device its state will live on.
+    home = next((t.device for t in (*st.params, *st.buffers) if not t.is_meta),
+                next((sa.leaves[i].device for i in sa.input_indices), torch.device("cpu")))
+
+    def fake_static(t, owner=None):
+        shape, dtype, device = _global_meta(t, owner)
+        device = home if device.type == "meta" else device
+        with fake_mode:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    # a tensor-parallel parameter's placeholder is its local shard; the DTensor around it is the
+    # leaf that requires grad (tensor_parallel.as_planned)
+    fake_params = [fake_static(p).requires_grad_(p.requires_grad and tp.plan_of(p) is None)
+                   for p in st.params]
+    fake_buffers = [fake_static(b) for b in st.buffers]
+    fake_states = [fake_static(v, st.owner(key)) for key, v in st.states]
+    hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer)
+    fake_inputs = _fake_inputs(fake_mode, sa, dynamic_dims)
+    counts = [len(fake_params), len(fake_buffers), len(fake_states), len(hparams)]
+    trainable = [p for p in st.params if p.requires_grad] if accumulation else []
+    unbatched = {k: sa.leaves[i].detach() for k, (i, d) in
+                 enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
+    reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
+    step = _StatelessStep(fn, sa, st, counts, len(fake_inputs), reads, fuse_optimizer, mp_policy,
+                          accumulation)
+    source_files: set[str] = set()
+    gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
+                                    *fake_inputs, *[fake_static(p) for p in trainable]], source_files)
+    accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
-        params=tuple(fqn_of[id(p)] for p in unique_params),
-        buffers=tuple(buffer_fqn_of[id(b)] for b in unique_buffers),
-        states=tuple(state_keys), hparams=tuple(hparam_tensors), inputs=tuple(sa.input_indices),
-        grads_in=tuple(accumulated), user_outputs=out_info["n"], new_states=tuple(created),
-        grads_out=tuple(accumulated) if accumulation == ACCUMULATE else ())
+        params=tuple(st.fqn_of[id(p)] for p in st.params),
+        buffers=tuple(st.buffer_fqn_of[id(b)] for b in st.buffers),
+        states=tuple(k for k, _ in st.states), hparams=tuple(hparam_tensors),
+        inputs=tuple(sa.input_indices), grads_in=accumulated, user_outputs=step.num_outputs,
+        new_states=tuple(step.created), grads_out=accumulated if accumulation == ACCUMULATE else ())
+    _finish_graph(gm, signature, sa, step.grad_nodes, dynamic_dims)
     return TracedStep(
         gm=gm,
         shape_env=shape_env,
@@ -843,9 +693,30 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         static_sizes=_static_sizes(fake_inputs, shape_env),
         specialized_dims=_specialized_dynamic_dims(shape_env, fake_inputs, sa, dynamic_dims),
         source_files=sorted(f for f in source_files if not f.startswith("<")),
-        out_spec=out_info["spec"],
-        out_constants=out_info["constants"],
+        out_spec=step.out_spec,
+        out_constants=step.out_constants,
     )
+
+
+def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_dims) -> None:
+    """Profiler nodes out, dtypes checked, the meta the passes read written; every trainable
+    parameter must have got a gradient."""
+    remove_profiler_nodes(gm)
+    tp.mark_plan_collectives(gm)
+    _check_matmul_dtypes(gm)
+    _annotate(gm, signature, sa, grad_nodes, dynamic_dims)
+    missing = [fqn for fqn in signature.params if fqn not in grad_nodes
+               and fqn in _trainable(sa)]
+    tp.refuse_unused_plans(sa.module, missing)
+    if missing:
+        raise MissingGradientError(
+            f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "
+            f"by the loss. Set requires_grad=False on parameters that are frozen, or remove them."
+        )
+
+
+def _trainable(sa: StepArgs) -> set[str]:
+    return {n for n, p in sa.module.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
 def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:
@@ -900,21 +771,6 @@ def _specialized_dynamic_dims(shape_env, fake_inputs, sa, dynamic_dims) -> list[
     return out
 
 
-def _user_line_here() -> str:
-    """The innermost live frame in the user's code (not torch's, not ours)."""
-    here = os.path.dirname(__file__)
-    roots = (os.path.dirname(torch.__file__), here,
-             os.path.join(os.path.dirname(here), "passes"), os.path.dirname(contextlib.__file__))
-    frame = sys._getframe(1)
-    while frame is not None:
-        f = frame.f_code.co_filename
-        if not f.startswith(roots) and not f.startswith("<"):
-            line = linecache.getline(f, frame.f_lineno).strip()
-            return f'File "{f}", line {frame.f_lineno}, in {frame.f_code.co_name}: {line}'
-        frame = frame.f_back
-    return "<unknown location>"
-
-
 def _specialized_batch_dims(shape_env, fake_inputs, batch_dims) -> list[tuple[int, int, int]]:
     out = []
     for k, (fake, d) in enumerate(zip(fake_inputs, batch_dims)):
@@ -950,7 +806,6 @@ def _check_matmul_dtypes(gm: torch.fx.GraphModule) -> None:
 def _describe_trace_failure(e: Exception) -> str:
     where = _user_frame(e)
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, (GuardOnDataDependentSymNode, DataDependentOutputException)):
@@ -975,32 +830,28 @@ def _describe_trace_failure(e: Exception) -> str:
     return f"recording the step failed at {where}: {type(e).__name__}: {first_line}"
 
 
-def _annotate(gm, unique_params, fqn_of, unique_buffers, buffer_fqn_of, state_keys, num_hparams, sa,
-              grad_nodes, dynamic_dims):
-    """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders and grads; REGION on all."""
+def _annotate(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_dims):
+    """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders (as the signature names
+    them) and grads; REGION on all."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    it = iter(placeholders)
-    for p in unique_params:
-        n = next(it)
-        n.meta[meta.ROLE] = meta.Role.PARAM
-        n.meta[meta.PARAM_FQN] = fqn_of[id(p)]
-    for b in unique_buffers:
-        n = next(it)
-        n.meta[meta.ROLE] = meta.Role.BUFFER
-        n.meta[meta.PARAM_FQN] = buffer_fqn_of[id(b)]
-    for fqn, k in state_keys:
-        n = next(it)
-        n.meta[meta.ROLE] = meta.Role.OPT_STATE
-        n.meta[meta.PARAM_FQN] = fqn
-        n.meta[meta.STATE_KEY] = k
-    for _ in range(num_hparams):
-        next(it).meta[meta.ROLE] = meta.Role.HPARAM
-    inputs = [n for n in placeholders if meta.ROLE not in n.meta]
-    for n, i, d in zip(inputs, sa.input_indices, sa.batch_dims):
+    params, buffers, states, hparams, rest = split_inputs(placeholders, signature.input_groups)
+    for n, fqn in zip(params, signature.params):
+        n.meta.update({meta.ROLE: meta.Role.PARAM, meta.PARAM_FQN: fqn})
+    for n, fqn in zip(buffers, signature.buffers):
+        n.meta.update({meta.ROLE: meta.Role.BUFFER, meta.PARAM_FQN: fqn})
+    for n, (fqn, k) in zip(states, signature.states):
+        n.meta.update({meta.ROLE: meta.Role.OPT_STATE, meta.PARAM_FQN: fqn, meta.STATE_KEY: k})
+    for n in hparams:
+        n.meta[meta.ROLE] = meta.Role.HPARAM
+    for n, i, d in zip(rest, sa.input_indices, sa.batch_dims):
         n.meta[meta.ROLE] = meta.Role.INPUT
         n.meta[meta.INPUT_PATH] = f"leaf {i}"
         n.meta[meta.INPUT_BATCH_DIM] = d
         n.meta[meta.INPUT_DYNAMIC_DIMS] = dynamic_dims.get(i, ())
+    for n, fqn in zip(rest[len(sa.input_indices):], signature.grads_in):
+        # unbatched inputs: this rank's own gradients
+        n.meta.update({meta.ROLE: meta.Role.INPUT, meta.INPUT_BATCH_DIM: None,
+                       meta.INPUT_DYNAMIC_DIMS: (), meta.INPUT_PATH: f"accumulated grad of {fqn}"})
     for fqn, node in grad_nodes.items():
         if node.graph is gm.graph:
             node.meta[meta.ROLE] = meta.Role.GRAD

@@ -23,7 +23,6 @@ import graphviz
 import torch
 import torch.fx as fx
 from tabulate import tabulate
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_compiler.passes.memory_plan import lifetimes, workspace
@@ -32,6 +31,8 @@ from spmd_compiler.passes.meta import (
     BUCKET, COLLECTIVE, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT, REGION, ROLE,
     STATE_KEY, Role,
 )
+
+from .torch_internals import _StridedShard
 
 log = logging.getLogger("spmd_compiler")
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from tabulate import tabulate
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-from spmd_compiler.passes.batch_dim import BatchDimError, annotate_placements
+from spmd_compiler.passes.batch_dim import PlacementError, annotate_placements
 from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler.tracing import trace_step
 
@@ -466,7 +466,7 @@ def test_functional_collectives_after_expansion():
     """all_reduce makes Partial gradients Replicate, so the optimizer region is Replicate."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from spmd_compiler.passes.replicate import expand_replicate
+    from spmd_compiler.passes.expand import expand_replicate
 
     model = SimpleMLP()
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -512,7 +512,7 @@ def test_fully_shard_expanded_graph(make_optim):
     of squares until its all_reduce."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from spmd_compiler.passes.fully_shard import expand_fully_shard
+    from spmd_compiler.passes.expand import expand_fully_shard
 
     model = SimpleMLP()
     gm = trace_step(clip_step, (model, make_optim(model.parameters()),
@@ -552,7 +552,7 @@ def test_fully_shard_expanded_graph(make_optim):
 def _fully_shard_graph(step, model, optim):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from spmd_compiler.passes.fully_shard import expand_fully_shard
+    from spmd_compiler.passes.expand import expand_fully_shard
 
     gm = trace_step(step, (model, optim, (torch.randn(8, 50), torch.randn(8, 8))), {},
                     input_batch_dim=0).gm
@@ -580,7 +580,7 @@ def test_masked_writes_on_parameter_shards_are_elementwise():
         return loss
 
     gm = _fully_shard_graph(cumsum_step, model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(BatchDimError, match="cumsum on parameter shards is not covered") as info:
+    with pytest.raises(PlacementError, match="cumsum on parameter shards is not covered") as info:
         annotate_placements(gm)
     assert "CUMSUM-ON-SHARDS" in (info.value.stack_trace or "")
 

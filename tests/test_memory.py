@@ -20,7 +20,7 @@ from spmd_compiler.passes import meta
 from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.collectives import c10d
 from spmd_compiler.passes.dependencies import step_dependencies
-from spmd_compiler.passes.fully_shard import expand_fully_shard
+from spmd_compiler.passes.expand import expand_fully_shard
 from spmd_compiler.passes.memory_plan import free_workspaces, plan_static_memory, workspace
 from spmd_compiler.passes.recompute import recompute_activations, saved_activations
 from spmd_compiler.passes.schedule import schedule_for_memory

@@ -11,12 +11,13 @@ import torch
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.collectives import COLLECTIVE_OPS, c10d
-from spmd_compiler.passes.fully_shard import expand_fully_shard, shard_rows
+from spmd_compiler.passes.expand import expand_fully_shard
+from spmd_compiler.passes.fully_shard import shard_rows
 from spmd_compiler.passes.inplace import gather_into_preallocated, reduce_in_place
 from spmd_compiler.passes.overlap import sink_waits
 from spmd_compiler.passes.rank_check import place_rank_check
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
-from spmd_compiler.passes.replicate import expand_replicate
+from spmd_compiler.passes.expand import expand_replicate
 from spmd_compiler.tracing import trace_step
 from tests.models import BatchNormMLP, SimpleMLP, train_step
 

@@ -1,4 +1,4 @@
-"""The faster symbolic recording (spmd_compiler/recording_speed.py) records exactly what make_fx
+"""The faster symbolic recording (spmd_compiler/torch_internals.py) records exactly what make_fx
 records without it: the same graph code, the same values (shapes and strides, symbolic sizes
 included) on every node, the same ShapeEnv guards, replacements and ranges; and torch's own
 SymNode operations are back in place afterwards."""
@@ -14,7 +14,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.sym_node import SymNode
 
 import spmd_compiler.tracing as tracing
-from spmd_compiler.recording_speed import PURE_BINARY, faster_symbolic_recording
+from spmd_compiler.torch_internals import PURE_BINARY, faster_symbolic_recording
 from tests.test_dynamic_shapes import VOCAB, TinyLM, lm_step
 
 

@@ -137,7 +137,7 @@ def test_every_collective_drawn_once(tmp_path, expanded):
 
 
 def test_real_replicate_expansion_is_drawn_and_summarized():
-    from spmd_compiler.passes.replicate import expand_replicate
+    from spmd_compiler.passes.expand import expand_replicate
 
     model, gm = _traced()
     gm = expand_replicate(gm, group_name="0", world_size=2)

@@ -1,0 +1,601 @@
+"""Everything spmd_compiler takes from torch beyond its public API, in one module.
+
+The rest of spmd_compiler imports torch's private names from here and patches torch only
+through the functions here. Pinned: torch 2.13 (``PINNED``); tests/test_torch_internals.py
+asserts the signatures relied on, so a torch upgrade fails there, loudly, first.
+
+Two kinds of patch:
+
+- **Optional speed-ups** (``OPTIONAL``): each has a probe that checks the shape of the torch code
+  it replaces. It runs only on the pinned torch, when its probe passes and when
+  ``SPMD_NO_TORCH_PATCHES`` is not set; otherwise it is off (logged once as a warning) and the
+  recording is torch's own, slower or with a few more guards, never different in results.
+
+  - ``symnode_memo``: pure ``SymNode`` arithmetic made outside the proxy tracer is memoized;
+  - ``free_symbols_memo``: the free symbols of a size are memoized in the fake tensor cache key;
+  - ``no_tensor_meta``: make_fx's best-effort ``node.meta["tensor_meta"]`` is not written;
+  - ``size_oblivious_reshape``: ``aten.reshape`` of symbolically sized tensors is recorded
+    without guards on a size being 1.
+
+- **Required** (the step cannot be recorded without them; their signatures are in the test):
+  ``tag_regions`` (``torch.autograd.backward`` wrapped while recording), ``refuse_reentrant_
+  checkpoint`` (``CheckpointFunction.apply``), ``compiling_forward`` (torch.compiler's
+  is-compiling flag), ``StepRecorder`` (make_fx's private ``_MakefxTracer`` with the step's own
+  tracer), ``InputShapeEnv`` (``ShapeEnv._set_replacement`` observed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import linecache
+import logging
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch._logging._internal as logging_internal
+import torch.utils._pytree as pytree
+from torch._C import DispatchKey
+from torch._C._profiler import _EventType
+from torch._dynamo.source import ConstantSource
+from torch._prims_common import infer_size, is_contiguous_or_false
+from torch._subclasses._fake_tensor_utils import _CacheKeyState, _InputBackref, _PySymInputStub
+from torch._subclasses.fake_impls import _compute_stride
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.fx._lazy_graph_module import (
+    _LazyGraphModule,
+    _make_graph_module,
+    _use_lazy_graph_module,
+)
+from torch.fx.experimental import proxy_tensor
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer, _MakefxTracer, get_proxy_mode
+from torch.fx.experimental.sym_node import SymNode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, uninteresting_files
+from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmd_compiler.passes import meta
+
+__all__ = [  # torch's private names the rest of spmd_compiler uses
+    "ConstantSource", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
+    "FakeTensorMode", "TorchDispatchMode", "_EventType", "_LazyGraphModule", "_StridedShard",
+    "_get_fused_kernels_supported_devices", "_make_graph_module", "_register_stack_trace_anchor",
+    "_reparametrize_module", "_use_lazy_graph_module", "get_proxy_mode", "pytree",
+    "unset_fake_temporarily", "backed_size_oblivious", "dtensor_spec", "has_kernel",
+    "local_tensor", "marked_dynamic_dims",
+    # and the patches
+    "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
+    "refuse_reentrant_checkpoint", "size_oblivious_reshape", "tag_regions",
+]
+
+log = logging.getLogger("spmd_compiler")
+
+PINNED = "2.13"
+OFF_ENV = "SPMD_NO_TORCH_PATCHES"
+
+
+def version_supported() -> bool:
+    """Is the running torch the pinned one?"""
+    return torch.__version__.split("+")[0].rsplit(".", 1)[0] == PINNED
+
+
+# ---------------------------------------------------------------------------------------------
+# Private attributes read
+
+
+def local_tensor(dt: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor itself (``to_local()`` goes through autograd)."""
+    return dt._local_tensor
+
+
+def dtensor_spec(dt: torch.Tensor):
+    """A DTensor's ``DTensorSpec`` (mesh, placements, global shape)."""
+    return dt._spec
+
+
+def marked_dynamic_dims(t: torch.Tensor) -> set[int]:
+    """The dims ``torch._dynamo.mark_dynamic`` marked on ``t``."""
+    return set(getattr(t, "_dynamo_dynamic_indices", ()))
+
+
+def backed_size_oblivious():
+    """torch.fx's config while recording: shape checks on a backed size symbol do not
+    specialize it on 0 or 1."""
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    """Has the operator ``op`` (``"aten::name.overload"``) a kernel for ``dispatch_key``?"""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes of the optional patches: does torch's code still have the shape each one replaces?
+
+# Binary SymNode operations whose result depends only on their operands
+PURE_BINARY = ("add", "sub", "mul", "int_floordiv", "eq", "ne", "gt", "lt", "le", "ge",
+               "sym_max", "sym_min", "and_", "or_")
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _probe_symnode_memo() -> bool:
+    env = ShapeEnv()
+    return (all(callable(getattr(SymNode, f"_{m}", None)) for m in PURE_BINARY)
+            and _params(SymNode.__init__)[:8] == ["self", "expr", "shape_env", "pytype", "hint",
+                                                  "constant", "fx_node", "optimized_summation"]
+            and hasattr(env, "_replacements_version_counter")
+            and hasattr(env, "_translation_validation_enabled")
+            and hasattr(logging_internal, "GET_DTRACE_STRUCTURED"))
+
+
+def _probe_free_symbols_memo() -> bool:
+    state = _CacheKeyState()
+    return (_params(_CacheKeyState.convert_sym_int) == ["self", "result", "arg"]
+            and all(hasattr(state, a) for a in ("sym_node_lookup", "known_symbols", "shape_env")))
+
+
+def _probe_no_tensor_meta() -> bool:
+    return (_params(proxy_tensor.set_meta) == ["proxy", "val"]
+            and "include_real" in _params(proxy_tensor.extract_val))
+
+
+def _probe_size_oblivious_reshape() -> bool:
+    op = torch.ops.aten.reshape.default
+    return (isinstance(op.py_kernels, dict) and hasattr(op, "_dispatch_cache")
+            and hasattr(op, "_op_dk") and "size_oblivious" in _params(_compute_stride))
+
+
+OPTIONAL: dict[str, Callable[[], bool]] = {
+    "symnode_memo": _probe_symnode_memo,
+    "free_symbols_memo": _probe_free_symbols_memo,
+    "no_tensor_meta": _probe_no_tensor_meta,
+    "size_oblivious_reshape": _probe_size_oblivious_reshape,
+}
+
+
+def enabled(patch: str) -> bool:
+    """Does the optional ``patch`` run? (See the module docstring; an off patch is logged once
+    per process and reason.)"""
+    if os.environ.get(OFF_ENV):
+        return False
+    return _probed(patch)
+
+
+@functools.cache
+def _probed(patch: str) -> bool:
+    if not version_supported():
+        log.warning("spmd_compiler: torch %s is not the pinned %s: optional patch %s is off",
+                    torch.__version__, PINNED, patch)
+        return False
+    try:
+        ok = OPTIONAL[patch]()
+    except Exception as e:  # noqa: BLE001 - a probe that cannot run is a failed probe
+        log.warning("spmd_compiler: probe of %s raised %r", patch, e)
+        ok = False
+    if not ok:
+        log.warning("spmd_compiler: torch's code differs from what optional patch %s replaces: "
+                    "it is off (recording as torch does, slower)", patch)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Faster symbolic recording (symnode_memo, free_symbols_memo, no_tensor_meta)
+#
+# With a symbolic batch size (and sequence length) the recording of a step costs about 2.5
+# times the same recording with static sizes, and the difference is not in the ops: every fake
+# tensor an op returns has symbolic sizes, so building it (its storage size, contiguity, numel)
+# runs dozens of SymNode operations (s0*2048, Eq(s0*2048, 2048), ...) through Python, the same
+# few expressions again and again, layer after layer.
+#
+# - SymNode arithmetic made outside the proxy tracer (inside fake kernels and fake tensor
+#   construction: the ones that record nothing in the graph) is a pure function of the operands'
+#   expressions, the ShapeEnv's replacements (keyed by its version counter), the operands'
+#   hints, types and summation flags. The memo returns a new SymNode with the result's expression
+#   and hint, as the operation would. Not memoized: operations under the proxy tracer (they
+#   record graph nodes), mod (it reads the ShapeEnv's value ranges, which guards refine), and
+#   everything while translation validation or structured tracing of expressions is on.
+# - The free symbols of a size are memoized where the fake tensor cache builds its key.
+# - node.meta["tensor_meta"] is not written (make_fx calls it "best effort; prefer using val"):
+#   nothing in the compiler reads it; meta["val"] is written as before.
+#
+# On a 24-block GPT-2 this cut the recording's CPU time by about 30% (7.7 s to 5.3 s); the
+# first call at world size 2 by 11-20% (docs/compile_time.md).
+
+
+def _memoized(method: str, impl, memo: dict):
+    def operation(self, other):
+        env = self.shape_env
+        if (env is None or type(other) is not SymNode or env._translation_validation_enabled
+                or logging_internal.GET_DTRACE_STRUCTURED
+                or proxy_tensor.get_proxy_mode() is not None):
+            return impl(self, other)
+        key = (method, id(env), env._replacements_version_counter, self._expr, other._expr,
+               self.pytype, other.pytype, self._hint, other._hint,
+               self._optimized_summation, other._optimized_summation)
+        r = memo.get(key)
+        if r is None:
+            r = memo[key] = impl(self, other)
+        return SymNode(r._expr, env, r.pytype, r._hint, r.constant, r.fx_node,
+                       r._optimized_summation)
+
+    return operation
+
+
+def _convert_sym_int_memoized(memo: dict):
+    def convert_sym_int(self, result, arg):  # torch's _CacheKeyState.convert_sym_int, memoized
+        node_id = id(arg.node)
+        if node_id in self.sym_node_lookup:
+            result.append(_InputBackref(self.sym_node_lookup[node_id]))
+            return
+        self.sym_node_lookup[node_id] = len(result)
+        expr = arg.node.expr
+        symbols = memo.get(expr)
+        if symbols is None:
+            symbols = memo[expr] = frozenset(expr.free_symbols)
+        self.known_symbols.update(symbols)
+        if self.shape_env is None:
+            self.shape_env = arg.node.shape_env
+        result.append(_PySymInputStub(arg))
+
+    return convert_sym_int
+
+
+def _set_meta_without_tensor_meta(proxy, val):
+    proxy.node.meta["val"] = proxy_tensor.extract_val(
+        val, include_real=(proxy.node.op == "placeholder"))
+    return proxy
+
+
+@contextlib.contextmanager
+def _swapped(owner, name: str, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextlib.contextmanager
+def faster_symbolic_recording():
+    """While recording: the optional patches symnode_memo, free_symbols_memo and
+    no_tensor_meta (those that are enabled). Restores torch's own functions on exit;
+    re-entrant."""
+    global _recording_faster
+    if _recording_faster:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        if enabled("free_symbols_memo"):
+            stack.enter_context(_swapped(_CacheKeyState, "convert_sym_int",
+                                         _convert_sym_int_memoized({})))
+        if enabled("symnode_memo"):
+            memo: dict = {}
+            for m in PURE_BINARY:
+                impl = getattr(SymNode, f"_{m}")
+                stack.enter_context(_swapped(SymNode, f"_{m}", _memoized(m, impl, memo)))
+        if enabled("no_tensor_meta"):
+            stack.enter_context(_swapped(proxy_tensor, "set_meta", _set_meta_without_tensor_meta))
+        _recording_faster = True
+        try:
+            yield
+        finally:
+            _recording_faster = False
+
+
+_recording_faster = False  # inside faster_symbolic_recording()
+
+
+# ---------------------------------------------------------------------------------------------
+# size_oblivious_reshape
+#
+# ATen's reshape (a C++ composite) asks whether its input is contiguous, and whether the new
+# shape can be a view of the old strides, with plain guards: a size that could be 1 or 0 gets a
+# guard (Ne(s1 - 1, 1) for logits[:, :-1].reshape(-1, vocab), Ne(s0, 1) for the batch), so a
+# sequence of length 2 or a batch of one falls outside the program and compiles one of its own.
+# While recording, reshape of symbolically sized tensors runs as the same three cases, decided
+# size-obliviously (the tracer runs with backed_size_oblivious): a view when the input is
+# contiguous or the new shape fits its strides for every size, otherwise a contiguous copy
+# viewed in the new shape (clone + _unsafe_view, what ATen records). The copy is correct for
+# every size; only for the sizes where ATen could have viewed does the program copy instead
+# (reshape promises neither). Statically sized tensors take ATen's own kernel.
+
+_aten = torch.ops.aten
+_COMPOSITE = DispatchKey.CompositeImplicitAutograd
+
+
+def _reshape(a: torch.Tensor, shape):
+    if not any(isinstance(s, torch.SymInt) for s in (*a.shape, *a.stride(), *shape)):
+        return _aten.reshape.default._op_dk(_COMPOSITE, a, shape)  # ATen's own
+    if is_contiguous_or_false(a):
+        return _aten.view.default(a, shape)  # as ATen: the proposed shape, -1 and all
+    shape = infer_size(shape, a.numel())
+    if _compute_stride(a.shape, a.stride(), shape, size_oblivious=True) is not None:
+        return _aten.view.default(a, shape)
+    return _aten._unsafe_view.default(
+        _aten.clone.default(a, memory_format=torch.contiguous_format), shape)
+
+
+@contextlib.contextmanager
+def size_oblivious_reshape():
+    """While recording (symbolic make_fx runs the Python dispatcher): ``aten.reshape`` as
+    above, when the optional patch is enabled."""
+    op = _aten.reshape.default
+    if not enabled("size_oblivious_reshape") or _COMPOSITE in op.py_kernels:
+        yield  # off, or already on (or torch registered its own): leave it
+        return
+    op.py_kernels[_COMPOSITE] = _reshape
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        del op.py_kernels[_COMPOSITE]
+        op._dispatch_cache.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Required patches
+
+
+def user_line_here() -> str:
+    """The innermost live frame in the user's code (not torch's, not ours)."""
+    here = os.path.dirname(__file__)
+    roots = (os.path.dirname(torch.__file__), here,
+             os.path.join(os.path.dirname(here), "passes"), os.path.dirname(contextlib.__file__))
+    frame = sys._getframe(1)
+    while frame is not None:
+        f = frame.f_code.co_filename
+        if not f.startswith(roots) and not f.startswith("<"):
+            line = linecache.getline(f, frame.f_lineno).strip()
+            return f'File "{f}", line {frame.f_lineno}, in {frame.f_code.co_name}: {line}'
+        frame = frame.f_back
+    return "<unknown location>"
+
+
+@contextlib.contextmanager
+def tag_regions():
+    """While recording: nodes recorded before and inside ``torch.autograd.backward`` (what
+    ``loss.backward()`` calls) get REGION forward and backward (where unset)."""
+    original = torch.autograd.backward
+
+    def tag(region):
+        mode = get_proxy_mode()
+        if mode is not None:
+            for node in mode.tracer.graph.nodes:
+                node.meta.setdefault(meta.REGION, region)
+
+    def recorded_backward(*args, **kwargs):
+        tag(meta.Region.FORWARD)
+        result = original(*args, **kwargs)
+        tag(meta.Region.BACKWARD)
+        return result
+
+    with _swapped(torch.autograd, "backward", recorded_backward):
+        yield
+
+
+@contextlib.contextmanager
+def refuse_reentrant_checkpoint(error: Callable[[str], Exception]):
+    """While recording: reentrant activation checkpointing raises ``error(user's line)``."""
+    from torch.utils import checkpoint
+
+    def refuse(*args, **kwargs):
+        raise error(user_line_here())
+
+    with _swapped(checkpoint.CheckpointFunction, "apply", refuse):
+        yield
+
+
+@contextlib.contextmanager
+def compiling_forward(module: torch.nn.Module):
+    """Make ``torch.compiler.is_compiling()`` true while the model's forward is recorded, as
+    torch's own make_fx-based (non-strict) export does: libraries then take their traceable code
+    paths (Hugging Face avoids data-dependent checks and runs its grouped expert matmul as a custom
+    op with a fake kernel). The loss code and the optimizer step run as written."""
+    saved = {"depth": 0, "flag": False}
+
+    def enter(*_):
+        if saved["depth"] == 0:
+            saved["flag"] = torch.compiler._is_compiling_flag
+            torch.compiler._is_compiling_flag = True
+        saved["depth"] += 1
+
+    def leave(*_):
+        saved["depth"] -= 1
+        if saved["depth"] == 0:
+            torch.compiler._is_compiling_flag = saved["flag"]
+
+    hooks = [module.register_forward_pre_hook(enter),
+             module.register_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        if saved["depth"]:  # the forward raised
+            torch.compiler._is_compiling_flag = saved["flag"]
+
+
+class StepTracer(PythonKeyTracer):
+    """make_fx's tracer, plus the two annotations the compiler shows users, made cheaply:
+
+    - ``node.stack_trace``: the frames of ``forward`` methods and of the step itself (as
+      make_fx's ``record_stack_traces``), read from the live Python frames instead of a
+      symbolized C++ traceback of the whole stack, and formatted once per distinct stack;
+    - ``node.meta["nn_module_stack"]``: the model's submodules being called (as make_fx's
+      ``record_module_stack``, without its proxies for every module attribute access).
+
+    On a 24-block GPT-2 step this halves the trace (measurements in docs/benchmarks.md).
+    """
+
+    def __init__(self, root_module: torch.nn.Module):
+        super().__init__()
+        self._paths = {}
+        for name, m in root_module.named_modules(remove_duplicate=False):
+            self._paths.setdefault(id(m), name)
+        self._calls: dict[str, int] = {}
+        self._formatted: dict[tuple, str] = {}
+        self._skip = uninteresting_files()
+        self.code_seen: set = set()  # code objects on the stack of any recorded node
+
+    def call_module(self, m, forward, args, kwargs):
+        path = self._paths.get(id(m))
+        if path is None:
+            return forward(*args, **kwargs)
+        calls = self._calls.get(path, 0)
+        self._calls[path] = calls + 1
+        key = f"{path}@{calls}" if calls else path
+        self.module_stack[key] = (path, f"{type(m).__module__}.{type(m).__qualname__}")
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.module_stack.pop(key, None)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            node.stack_trace = self._stack_trace(sys._getframe(1))
+        return node
+
+    def _stack_trace(self, frame) -> str | None:
+        frames = []
+        seen = self.code_seen
+        while frame is not None:
+            code = frame.f_code
+            seen.add(code)
+            if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
+                    and code.co_filename not in self._skip:
+                frames.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        if not frames:
+            return None
+        key = tuple(frames)
+        text = self._formatted.get(key)
+        if text is None:
+            text = self._formatted[key] = "".join(
+                f'  File "{f}", line {n}, in {name}\n    {linecache.getline(f, n).strip()}\n'
+                for f, n, name in reversed(frames)).strip()
+        return text
+
+
+class StepRecorder(_MakefxTracer):
+    """make_fx (symbolic) recording with a ``StepTracer``."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(None, "symbolic", False, False, False, False, True,
+                         _disable_torch_fn_metadata_mode=True)
+        self._module = module
+
+    last_tracer: StepTracer | None = None
+
+    def _construct_modes_with_fx_tracer(self, fx_tracer):
+        self.fx_tracer = self.last_tracer = StepTracer(self._module)
+        super()._construct_modes_with_fx_tracer(self.fx_tracer)
+
+
+class InputShapeEnv(ShapeEnv):
+    """A ShapeEnv that remembers the user's source line that replaced an input symbol (by a
+    constant: a specialization, or by another symbol)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.replaced_at: dict = {}
+
+    def _set_replacement(self, a, tgt, msg):
+        before = self.replacements.get(a)
+        super()._set_replacement(a, tgt, msg)
+        if self.replacements.get(a) is not before and a not in self.replaced_at:
+            self.replaced_at[a] = user_line_here()
+
+    def where_replaced(self, symbols) -> str:
+        lines = [self.replaced_at[s] for s in sorted(symbols, key=str) if s in self.replaced_at]
+        return lines[0] if lines else "<unknown location>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (spmd_compiler/tensor_parallel.py, halo_conv.py): DTensor's internals
+
+
+def dtensor_from_spec(local: torch.Tensor, spec, requires_grad: bool = False) -> torch.Tensor:
+    """The DTensor of ``spec`` (a DTensorSpec) around ``local``, without a collective or autograd
+    node (``from_local`` is an autograd function)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's ``_StridedShard``: a shard of a dim another mesh dim already split."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_dim_shard(p) -> bool:
+    """``Shard`` or ``_StridedShard``."""
+    from torch.distributed.tensor import Shard
+
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def shards_of_dim(spec, dim: int) -> int:
+    """Into how many pieces the mesh splits dim ``dim`` of a DTensorSpec's tensor."""
+    return spec.num_shards_map[dim]
+
+
+def concatenate_meshes(meshes: list):
+    """One DeviceMesh of the dims of ``meshes`` (FSDP2's way to stack dp on a TP mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
+
+
+def dtensor_has_rule(op) -> bool:
+    """Does DTensor's sharding propagator have a rule or strategy for ``op``?"""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return any(op in table for table in (
+        prop.op_strategy_funcs, prop.op_to_rules, prop.op_single_dim_strategy_funcs))
+
+
+def tensor_hooks(t: torch.Tensor) -> list[Callable]:
+    """The hooks ``t.register_hook`` registered on a leaf tensor."""
+    return list((getattr(t, "_backward_hooks", None) or {}).values())
+
+
+@contextlib.contextmanager
+def dtensor_op_handlers(handlers: dict):
+    """DTensor's dispatch of the ops in ``handlers`` (op -> ``fn(op, args, kwargs, torch_own)``)
+    replaced inside the block; ``torch_own`` is DTensor's own handler of the op."""
+    from torch.distributed.tensor import DTensor
+
+    table = DTensor._op_dispatcher._custom_op_handlers
+    saved = {op: table.get(op) for op in handlers}
+    for op, fn in handlers.items():
+        table[op] = functools.partial(_dispatch_to, fn, saved[op])
+    try:
+        yield
+    finally:
+        for op, own in saved.items():
+            if own is None:
+                table.pop(op, None)
+            else:
+                table[op] = own
+
+
+def _dispatch_to(fn, own, op, args, kwargs):
+    return fn(op, args, kwargs, own)
