@@ -116,9 +116,12 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
-def mixes_dtensors(tensors) -> bool:
-    """Are some of ``tensors`` DTensors and some not (a plan that leaves parameters plain)?"""
-    return len({isinstance(t, DTensor) for t in tensors}) > 1
+def refuses_fusing(opt: torch.optim.Optimizer, params: list) -> bool:
+    """Must a param group record its optimizer unfused? When a plan placed some of its parameters
+    and left others plain (one fused kernel cannot take both), or placed them and DTensor has no
+    rule for the optimizer's fused kernel (SGD on torch 2.13)."""
+    planned = {plan_of(p) is not None for p in params}
+    return len(planned) > 1 or (True in planned and not dtensor_fuses(opt))
 
 
 _FUSED_KERNELS = {torch.optim.SGD: torch.ops.aten._fused_sgd_.tensor_lr,

@@ -294,10 +294,8 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
     """
     if type(opt) not in FUSABLE_OPTIMIZERS or group.get("differentiable") or group.get("capturable"):
         return False
-    if tp.mixes_dtensors(group["params"]):  # one fused kernel cannot take both
+    if tp.refuses_fusing(opt, group["params"]):  # a tensor-parallel plan's parameters
         return False
-    if tp.mixes_dtensors(group["params"] + [None]) and not tp.dtensor_fuses(opt):
-        return False  # DTensor parameters, and DTensor has no rule for this fused kernel
     if group.get("fused"):
         return True
     devices = _get_fused_kernels_supported_devices()
