@@ -241,14 +241,19 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) ->
                                 val=local_val[offset:offset + n], region=done.meta.get(meta.REGION))
             shaped = insert_call(graph, aten.view.default, (piece, list(m.wait.meta["val"].shape)),
                                  like=m.wait)
-            for key, value in m.wait.meta.items():
-                if key not in shaped.meta and key not in ("val", meta.ROLE, meta.COLLECTIVE):
-                    shaped.meta[key] = value
+            _inherit_meta(shaped, m.wait)
             offset += n
             replaced.append((m, shaped))
     for m, new in replaced:  # after inserting: the members anchor the insertion point
         _replace_member(graph, m, new)
     _merge_chained_all_reduces(graph, done, [new for _, new in replaced], index)
+
+
+def _inherit_meta(node: fx.Node, wait: fx.Node) -> None:
+    """A member's wait's meta (but its value, role and collective) on what replaces it."""
+    for key, value in wait.meta.items():
+        if key not in node.meta and key not in ("val", meta.ROLE, meta.COLLECTIVE):
+            node.meta[key] = value
 
 
 def _chained_all_reduce(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -313,9 +318,7 @@ def _merge_all_gather(graph: fx.Graph, bucket: list[_Member], index: int) -> Non
             shape = list(m.wait.meta["val"].shape)
             whole = insert_call(graph, aten.reshape.default, (piece, shape),
                                 val=torch.empty_like(piece.meta["val"]).reshape(shape), like=m.wait)
-            for key, value in m.wait.meta.items():
-                if key not in whole.meta and key not in ("val", meta.ROLE, meta.COLLECTIVE):
-                    whole.meta[key] = value
+            _inherit_meta(whole, m.wait)
             offset += n
             replaced.append((m, whole))
     for m, new in replaced:  # after inserting: the members anchor the insertion point

@@ -9,24 +9,31 @@ import torch.fx as fx
 from . import meta
 
 
-def place_rank_check(gm: fx.GraphModule, check: Callable[[], None]) -> fx.GraphModule:
-    """Insert a call to ``check()`` before the first node that communicates or changes live
-    state: a collective, an in-place update of a placeholder (parameter, buffer, optimizer
-    state, input) or the first optimizer node; at the end if there is none.
+def place_rank_check(gm: fx.GraphModule, check: Callable[[object], None]) -> fx.GraphModule:
+    """Insert a call to ``check(agreement)`` before the first node that communicates or changes
+    live state: a collective, an in-place update of a placeholder (parameter, buffer, optimizer
+    state, input) or the first optimizer node; at the end if there is none. ``agreement`` is a
+    new last input of the graph: whatever the caller passes for the check to complete (the
+    runtime's per-call agreement), so the graph reads no global state.
 
     Everything before it (typically the whole forward and backward of a replicate step) runs
     while the check's own message is in flight; if ``check`` raises, no rank has entered a
     collective or touched its state.
 
-    Reads: node targets, op schemas, REGION. Writes: one call_function node; recompiles.
+    Reads: node targets, op schemas, REGION. Writes: one placeholder (last) and one
+    call_function node; recompiles.
     """
     graph = gm.graph
     first = next(
         (n for n in graph.nodes if n.op == "output" or _communicates(n)
          or n.meta.get(meta.REGION) == meta.Region.OPTIMIZER or _updates_placeholder(n)),
     )
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_input):
+        agreement = graph.placeholder("agreement")
+    agreement.meta[meta.REGION] = meta.Region.FORWARD
     with graph.inserting_before(first):
-        graph.call_function(check, ())
+        graph.call_function(check, (agreement,))
     graph.lint()
     gm.recompile()
     return gm

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import cache
+from . import cache, compile_log, saving
 from .accumulation import KeptGradients
 from .cache import cache_dir_from
 from .consistency import (
@@ -40,6 +40,7 @@ from .mixed_precision import check_policy
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
 from .tensor_parallel import DataParallelDims, graph_inputs, has_plan
 from .pipeline import BuildOptions, build_program, dump_dir_for_compile, info
+from .replay import run_after
 from .runtime import (
     CompiledGraph,
     communication_failures,
@@ -131,8 +132,11 @@ class CompiledStep:
                     pending = start_agreement(CACHED, batch, group, fits, len(self._programs),
                                               running=choice)
                 try:
-                    with torch.no_grad(), agreement_in_flight(pending):
-                        return self._programs[choice](sa, dp_mesh, hparams, self._kept.grads)
+                    with torch.no_grad(), agreement_in_flight(pending) as agreement:
+                        out = self._programs[choice](sa, dp_mesh, hparams, self._kept.grads,
+                                                     agreement)
+                    run_after(self.fn, self._programs[choice].traced.replay, sa)
+                    return out
                 except Redispatch as r:
                     choice = r.choice
             else:
@@ -141,7 +145,9 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            return entry(sa, dp_mesh, hparams, self._kept.grads)
+            out = entry(sa, dp_mesh, hparams, self._kept.grads)
+        run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
+        return out
 
     def _mesh(self, device: torch.device):
         """The step's mesh: the one given, else the 1-D mesh over the default group."""
@@ -157,6 +163,7 @@ class CompiledStep:
         """Build the program (or load it from the disk cache), check that every rank has the
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
+        why_again = compile_log.reason(self._last_key, key)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
@@ -174,9 +181,8 @@ class CompiledStep:
         elif isinstance(description, Exception):
             raise description
         entry = self._install(sa, mesh, ready)
-        info("spmd_compiler: %s %s (%s, %d nodes) in %.2fs", "compiled" if stored is None else
-              "loaded", self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
-              self.last_compile_seconds)
+        compile_log.announce(self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
+                             ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
         if stored is None and disk_key is not None:
             cache.save(_disk_cache(self), disk_key, sa, self.fn, entry, ready, entry_summary(entry))
@@ -247,8 +253,9 @@ def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> N
         return
     place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
                 mode.param_init_fn, torch.device(mesh.device_type))
-    if not has_plan(sa.module):  # model(x), generate(), load_state_dict outside the step
+    if not has_plan(sa.module):  # model(x), generate(), load_state_dict, saving outside the step
         attach_eager_use(sa.module, mesh)
+        saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
 
 
 def _write_summaries(entry: CompiledGraph, dump_dir: str | None, index: int) -> None:
@@ -320,7 +327,10 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
                          step.parallel_mode.dynamic_dims)
     program = build_program(step.fn, sa, build_options(step, dims))
     runnable = program.runnable
-    summary = summarize(program.gm, compile_times=program.seconds,
+    created = sorted({k for _, k in program.final_traced.new_state_keys})
+    notes = {"optimizer state": f"0 B so far: the optimizer creates its state ({', '.join(created)}) "
+             f"on its first step; the step then compiles once more with it"} if created else None
+    summary = summarize(program.gm, compile_times=program.seconds, notes=notes,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:
         write_summary(summary, step.dump_dir)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
 import sys
 from typing import Any
 
@@ -50,6 +51,10 @@ class Redispatch(Exception):
         super().__init__(f"the ranks chose program {choice}")
         self.choice = choice
 
+
+# A memory address in a repr (a plain object's default one, "<... object at 0x7f...>"): it
+# differs on every rank and says nothing about the program.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 CACHED, COMPILE, COMPILE_FAILED = 0, 1, 2  # what a rank is about to do with this call
 _BITS = 62  # programs per int64 word of the fits-mask
@@ -124,19 +129,18 @@ def finish_agreement(pending: PendingAgreement) -> int | None:
     return max(common) if common else None
 
 
-_IN_FLIGHT: list[PendingAgreement | None] = []  # the agreement of the step now running
-
-
 @contextlib.contextmanager
 def agreement_in_flight(pending: PendingAgreement | None):
-    """Run a compiled step while its agreement is in flight; the step's graph calls
-    ``await_agreement`` before its first collective or state update. If the step stops before
-    that, the agreement is still completed here (and, when the step raised nothing, checked)."""
-    _IN_FLIGHT.append(pending)
+    """Run a compiled step while its agreement is in flight: yields the holder (a one-element
+    list) to pass to the step's graph as its ``agreement`` input; the graph calls
+    ``await_agreement(holder)`` before its first collective or state update. If the step stops
+    before that, the agreement is still completed here (and, when the step raised nothing,
+    checked)."""
+    holder = [pending]
     try:
-        yield
+        yield holder
     finally:
-        left = _IN_FLIGHT.pop()
+        left = holder[0]
         if left is not None and sys.exc_info()[0] is None:
             if finish_agreement(left) != left.running:
                 raise RankMismatchError(
@@ -146,11 +150,13 @@ def agreement_in_flight(pending: PendingAgreement | None):
             left.work.wait()
 
 
-def await_agreement() -> None:
-    """Graph node: complete the running step's per-call agreement; raise ``Redispatch`` if the
-    ranks chose another program than the one running (RankMismatchError if a rank failed)."""
-    if _IN_FLIGHT and _IN_FLIGHT[-1] is not None:
-        pending, _IN_FLIGHT[-1] = _IN_FLIGHT[-1], None
+def await_agreement(holder: list | None) -> None:
+    """Graph node: complete the running step's per-call agreement (``holder[0]``, from
+    ``agreement_in_flight``; None when the ranks agreed before the step); raise ``Redispatch``
+    if the ranks chose another program than the one running (RankMismatchError if a rank
+    failed)."""
+    if holder is not None and holder[0] is not None:
+        pending, holder[0] = holder[0], None
         choice = finish_agreement(pending)
         if choice != pending.running:
             raise Redispatch(choice)
@@ -195,7 +201,7 @@ def describe_program(sa: StepArgs, graph: dict[str, Any],
         for i, d in zip(sa.input_indices, sa.batch_dims)
     ]
     constants = [
-        repr(x) for j, x in enumerate(sa.leaves)
+        _ADDRESS.sub("", repr(x)) for j, x in enumerate(sa.leaves)
         if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
     ]
     return {

@@ -222,6 +222,7 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     if not plain:
         _rekey_optimizers(optimizers, seen, mesh)
         return
+    whole_states(optimizers, plain)  # DTensor state of parameters made plain again
     states = [
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
         if isinstance(v, torch.Tensor)
@@ -507,6 +508,27 @@ def place_state_tensor(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
     return v
 
 
+def placed_state(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
+    """An optimizer state value as the compiled graph binds it: placed like ``param`` (a plain
+    one that arrived by ``load_state_dict``), on its padded buffer when sharded."""
+    if isinstance(v, DTensor):
+        return ensure_padded(v, mesh)
+    if isinstance(v, torch.Tensor) and isinstance(param, DTensor):
+        return place_state_tensor(v, param, mesh)
+    return v
+
+
+def whole_states(optimizers: list[torch.optim.Optimizer], plain: list[torch.Tensor]) -> None:
+    """Make DTensor state of the ``plain`` parameters whole plain tensors (collective for
+    sharded ones: every rank places its state together), so they are placed like the rest."""
+    for opt in optimizers:
+        for p in plain:
+            st = opt.state.get(p, {})
+            for k, v in st.items():
+                if isinstance(v, DTensor):
+                    st[k] = v.full_tensor() if is_sharded(v) else v._local_tensor
+
+
 def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """Wrap a state tensor the compiled graph created (padded local shard or whole) like ``param``."""
     if not isinstance(param, DTensor) or buffer.dim() == 0:
@@ -596,13 +618,17 @@ class CompiledGraph:
         return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(inputs)}}))
 
     def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
-                 accumulated: dict[str, torch.Tensor] | None = None) -> Any:
+                 accumulated: dict[str, torch.Tensor] | None = None, agreement=None) -> Any:
         """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``.
         ``accumulated`` holds the gradients of a graph that takes (``grads_in``) or returns
-        (``grads_out``) them (spmd_compiler/accumulation.py); updated in place."""
+        (``grads_out``) them (spmd_compiler/accumulation.py); updated in place. ``agreement``:
+        the per-call agreement in flight, for a graph that completes it itself
+        (``checks_ranks_inside``; consistency.agreement_in_flight)."""
         sig = self.traced.signature
         params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
         flat = self._bind(sa, mesh, hparams, accumulated, params)
+        if self.checks_ranks_inside:
+            flat.append(agreement)
         with communication_failures("the compiled step",
                                     "Parameters and optimizer state on this rank may be partly "
                                     "updated by this step."):
@@ -633,9 +659,9 @@ class CompiledGraph:
         state_of = {}
         for opt in sa.optimizers:
             for p, st in opt.state.items():
-                if sig.sharded_states:
-                    for k, v in st.items():
-                        st[k] = ensure_padded(v, mesh)
+                for k, v in st.items():  # re-padded (sharded), or loaded plain: placed
+                    if sig.sharded_states or (type(v) is torch.Tensor and v.dim()):
+                        st[k] = placed_state(v, p, mesh)
                 state_of[id(p)] = st
         flat += [local_buffer(state_of[id(params[n])][k]) for n, k in sig.states]
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v

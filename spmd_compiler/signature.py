@@ -54,10 +54,6 @@ class StepSignature:
         rest (inputs and accumulated gradients)."""
         return (len(self.params), len(self.buffers), len(self.states), len(self.hparams))
 
-    @property
-    def num_outputs(self) -> int:
-        return self.user_outputs + len(self.new_states) + len(self.grads_out) + len(self.kept_grads)
-
     def split_outputs(self, outs) -> StepOutputs:
         """The run's flat outputs by kind."""
         a = self.user_outputs

@@ -33,6 +33,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .torch_internals import FakeTensor, TorchDispatchMode, pytree, unset_fake_temporarily
 
+from .side_effects import value_read_line
+
 aten = torch.ops.aten
 
 # The ops through which Python reads a tensor's value: bool(t), t.item(), int(t), float(t),
@@ -54,6 +56,7 @@ class ReadConstantValues(TorchDispatchMode):
         super().__init__()
         self.inputs = inputs or {}
         self.used: set[int] = set()
+        self.user_reads: list[str] = []  # user lines reading a value that is not a constant
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -63,7 +66,10 @@ class ReadConstantValues(TorchDispatchMode):
                 with disable_proxy_modes_tracing(), unset_fake_temporarily():
                     return func(*[self._real_value(a, mode) for a in args], **kwargs)
             except Exception:  # noqa: BLE001 - not a constant, or not replayable here:
-                pass  # the tracer's own handling (its data-dependent error) applies
+                # the tracer's own handling (its data-dependent error) applies
+                line = value_read_line()  # a print or log of it: warned (side_effects.py)
+                if line is not None:
+                    self.user_reads.append(line)
         return func(*args, **kwargs)
 
     def _real_value(self, t, mode):

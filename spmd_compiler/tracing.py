@@ -49,6 +49,7 @@ from .torch_internals import (
     refuse_reentrant_checkpoint,
     size_oblivious_reshape,
     tag_regions,
+    user_line_here,
 )
 from .errors import (
     BatchDimError,
@@ -59,6 +60,8 @@ from .errors import (
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
+from .side_effects import step_constants, warn_value_reads, watch as watch_side_effects
+from . import replay
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
 from .signature import StepSignature, split_inputs
@@ -126,6 +129,8 @@ class TracedStep:
     specialized_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
+    # statements of the step run again after every call (spmd_compiler/replay.py)
+    replay: tuple[str, ...] = ()
 
     # The signature's parts under their earlier names.
     param_fqns = property(lambda self: list(self.signature.params))
@@ -549,6 +554,7 @@ class _StatelessStep:
         self.out_spec = None
         self.out_constants: dict[int, Any] = {}
         self.num_outputs = 0
+        self.changed: list = []  # Python state the step's code changed (side_effects.py)
 
     def __call__(self, *flat):
         sa, st = self.sa, self.st
@@ -572,7 +578,9 @@ class _StatelessStep:
                 refuse_reentrant_checkpoint(_reentrant_checkpoint_error), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse
         ), self.reads, compiling_forward(sa.module), cast_forward(sa.module, self.mp_policy), \
-                accumulating(sa.optimizers, sa.module, list(zip(trainable, grads)), self.accumulation):
+                accumulating(sa.optimizers, sa.module, list(zip(trainable, grads)), self.accumulation), \
+                watch_side_effects(self.fn, sa.module, sa.optimizers, step_constants(sa),
+                                   user_line_here, into=self.changed):
             out = self.fn(*call_args, **call_kwargs)
             grads_out = [fp.grad for fp in trainable] if self.accumulation == ACCUMULATE else []
             fqn_of_fake = {id(fp): st.fqn_of[id(p)] for p, fp in zip(st.params, params)}
@@ -678,6 +686,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         inputs=tuple(sa.input_indices), grads_in=accumulated, user_outputs=step.num_outputs,
         new_states=tuple(step.created), grads_out=accumulated if accumulation == ACCUMULATE else ())
     _finish_graph(gm, signature, sa, step.grad_nodes, dynamic_dims)
+    warn_value_reads(reads.user_reads)
+    after_call = replay.plan(fn, step.changed, gm, sa, user_line_here)
     return TracedStep(
         gm=gm,
         shape_env=shape_env,
@@ -693,6 +703,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         source_files=sorted(f for f in source_files if not f.startswith("<")),
         out_spec=step.out_spec,
         out_constants=step.out_constants,
+        replay=after_call,
     )
 
 

@@ -29,7 +29,7 @@ import pytest
 # the graph and the meta contract after each stage (spmd_compiler/pipeline.py).
 os.environ.setdefault("SPMD_CHECK_STAGES", "1")
 
-from tests.multirank import WorkerPool, prestart_forkserver
+from tests.multirank import SelectedCases, WorkerPool, prestart_forkserver
 
 _POOL_FIXTURES = frozenset({"pool", "pool2", "pool3", "pool4"})
 
@@ -42,6 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "multirank: runs on real gloo worker processes (fixtures pool, pool2, pool3; "
         "tests/multirank.py)",
     )
+    config.addinivalue_line(
+        "markers", "catalogue(name): the catalogue case a test reads (tests/multirank.SelectedCases)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -51,6 +53,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    SelectedCases.session_items = list(session.items)  # what the catalogue jobs run
     # If any multi-rank test will run, let the fork server import torch while the tests before
     # it run (two cores: the single-process tests leave one mostly free).
     if any(item.get_closest_marker("multirank") for item in session.items):

@@ -926,3 +926,51 @@ def assert_close_all(actual: Any, expected: Any, rtol: float, atol: float, *,
             names = [p.split("'")[1] for p in rest[:10]]
             msg += f"\nalso differ: {', '.join(names)}" + (" ..." if len(rest) > 10 else "")
         raise AssertionError(msg)
+
+
+class SelectedCases:
+    """The per-rank reports of ``job(cases)``, a job that runs catalogue cases one after the other
+    on every rank: run once per world size and session, for the cases the session selected only
+    (``pytest -k one_case`` runs that case, not its whole catalogue), and kept for every test
+    that reads them.
+
+    ``case_of(item)`` names the case a collected test reads (None: it reads none); tests of the
+    job's module whose ``pool`` parameter is the pool's world size (or that have none) and that
+    are not skipped by a ``skipif`` mark count. A job that raised fails every test that reads
+    it, without running again. ``session_items`` is the session's selected tests (set by
+    tests/conftest.py once collection is done).
+    """
+
+    session_items: list = []
+
+    def __init__(self, job: Callable[[list], Any], case_of: Callable[[Any], Any], timeout: float):
+        self.job, self.case_of, self.timeout = job, case_of, timeout
+        self._reports: dict[int, Any] = {}
+
+    def reports(self, pool: "WorkerPool") -> list:
+        ws = pool.world_size
+        if ws not in self._reports:
+            try:
+                self._reports[ws] = pool.run(self.job, self.selected(ws), timeout=self.timeout)
+            except Exception as e:
+                self._reports[ws] = e
+                raise
+        result = self._reports[ws]
+        if isinstance(result, BaseException):
+            raise AssertionError(
+                f"{self.job.__name__} at world size {ws} failed: {result!r}") from result
+        return result
+
+    def selected(self, world_size: int) -> list:
+        """The cases the session's tests of the job's module read at ``world_size``."""
+        cases = []
+        for item in self.session_items:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if (item.module.__name__ != self.job.__module__
+                    or params.get("pool", world_size) != world_size
+                    or any(m.name == "skipif" and m.args and m.args[0] for m in item.iter_markers())):
+                continue
+            case = self.case_of(item)
+            if case is not None and case not in cases:
+                cases.append(case)
+        return cases

@@ -16,53 +16,13 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 from spmd_compiler.passes.batch_dim import PlacementError, annotate_placements
 from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler.tracing import trace_step
+from tests.models import BatchDimModel, SimpleMLP, train_step
 
 aten = torch.ops.aten
 R, AVG = Replicate(), Partial("avg")
 
 
-class SimpleMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net1 = nn.Linear(50, 32)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(32, 8)
-
-    def forward(self, x):
-        return torch.sigmoid(self.net2(self.relu(self.net1(x))))
-
-
-class BatchDimModel(nn.Module):
-    """The seed's WrapperModule for test_data_parallel_batch_dim_analysis."""
-
-    def __init__(self):
-        super().__init__()
-        self.mlp = SimpleMLP()
-
-    def forward(self, x):
-        output = self.mlp(x)
-        new_output = output.clone().view(-1)
-        squeezed_out = new_output.squeeze()
-        unsqueezed_out = squeezed_out.unsqueeze(0)
-        output = output + 0.1 * unsqueezed_out.view(output.shape[0], -1)
-        arange = torch.arange(output.shape[1], device=output.device)
-        ones = torch.ones(output.shape, device=output.device)
-        added_arange = arange.unsqueeze(0) + ones
-        zeros = torch.zeros(output.shape[1], device=output.device)
-        repeated_zeros = zeros.unsqueeze(0).repeat(output.shape[0], 1)
-        return output + added_arange + repeated_zeros
-
-
-def sum_loss_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = (model(x) - y).sum()
-    loss.backward()
-    optim.step()
-    return loss
-
-
-def annotated(model, optim, batch, step=sum_loss_step, input_batch_dim=0):
+def annotated(model, optim, batch, step=train_step, input_batch_dim=0):
     gm = trace_step(step, (model, optim, batch), {}, input_batch_dim=input_batch_dim).gm
     return annotate_placements(gm)
 
@@ -362,7 +322,7 @@ def test_flatten_of_a_time_major_batch_is_a_strided_shard_as_dtensor_says():
             return self.mha(x, x, x, need_weights=False)[0]
 
     model = TimeMajor()
-    gm = trace_step(sum_loss_step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
+    gm = trace_step(train_step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     (torch.randn(5, 3, 8), torch.randn(5, 3, 8))), {},
                     input_batch_dim=1).gm
     annotate_placements(gm)
@@ -470,7 +430,7 @@ def test_functional_collectives_after_expansion():
 
     model = SimpleMLP()
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gm = trace_step(sum_loss_step, (model, optim, (torch.randn(8, 50), torch.randn(8, 8))),
+    gm = trace_step(train_step, (model, optim, (torch.randn(8, 50), torch.randn(8, 8))),
                     {}, input_batch_dim=0).gm
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -567,14 +527,14 @@ def test_masked_writes_on_parameter_shards_are_elementwise():
     """Rprop's ``grad[mask] = 0`` (index_put_ with a boolean mask of the shard's shape) keeps
     the shard; a cumsum over a shard's rows would compute something else and raises."""
     model = SimpleMLP()
-    gm = annotate_placements(_fully_shard_graph(sum_loss_step, model,
+    gm = annotate_placements(_fully_shard_graph(train_step, model,
                                                 torch.optim.Rprop(model.parameters(), lr=0.01)))
     writes = [n for n in gm.graph.nodes if n.target in (aten.index_put_.default,
                                                         aten.index_put.default)]
     assert writes and all(placement(n) == Shard(0) for n in writes)
 
     def cumsum_step(model, optim, batch):
-        loss = sum_loss_step(model, optim, batch)
+        loss = train_step(model, optim, batch)
         for p in model.parameters():
             p.data.copy_(p.data.cumsum(0))  # CUMSUM-ON-SHARDS
         return loss

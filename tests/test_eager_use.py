@@ -157,9 +157,11 @@ def eager_use_job(mode: str) -> dict:
         assert torch.equal(y1, y2)
         assert all(type(p).__name__ == "DTensor" for p in model.parameters())
 
-        # state_dict: DTensors; a plain (DDP-style) state dict loads too, and so do DTensors.
+        # state_dict: plain tensors under replicate (as DDP's module), DTensors when sharded
+        # (as FSDP2's); a plain (DDP-style) state dict loads too, and so do DTensors.
         sd = model.state_dict()
-        assert all(type(v).__name__ == "DTensor" for k, v in sd.items() if "bn." not in k)
+        kind = "Tensor" if mode == "replicate" else "DTensor"
+        assert all(type(v).__name__ == kind for k, v in sd.items() if "bn." not in k)
         plain = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in sd.items()}
         before = {n: p.full_tensor() for n, p in model.named_parameters()}
         with torch.no_grad():

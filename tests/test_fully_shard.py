@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.models import MODELS, SimpleMLP, mse_step, train_step
-from tests.multirank import ParityChecker, rank_data
+from tests.multirank import ParityChecker, SelectedCases, rank_data
 from tests.test_replicate import _make_optimizer
 
 BATCH = 16  # local batch size of the full steps
@@ -438,17 +438,11 @@ def parity_job(names: list[str]) -> dict[str, dict]:
 # Tests: parity with DDP, layout, collective coverage
 # --------------------------------------------------------------------------------------------------
 
-_REPORTS: dict[int, list[dict]] = {}  # world size -> per-rank reports of every case
-
-
-def _reports(pool) -> list[dict]:
-    if pool.world_size not in _REPORTS:
-        _REPORTS[pool.world_size] = pool.run(parity_job, list(CASES), timeout=900)
-    return _REPORTS[pool.world_size]
+_REPORTS = SelectedCases(parity_job, lambda item: item.callspec.params.get("case"), timeout=900)
 
 
 def _case_report(pool, case: str, rank: int) -> dict:
-    rep = _reports(pool)[rank][case]
+    rep = _REPORTS.reports(pool)[rank][case]
     assert "exception" not in rep, f"{case} raised on rank {rank}: {rep.get('exception')}"
     return rep
 
@@ -728,9 +722,9 @@ ROUND_TRIP_VARIANTS = (
     "get_set_state_dict_before_first_call",
 )
 # Full (unsharded) state dicts: get_state_dict / set_state_dict with
-# StateDictOptions(full_state_dict=True), into a model placed by one compiled call. Known to fail:
+# StateDictOptions(full_state_dict=True), into a model placed by one compiled call.
 # set_optimizer_state_dict re-distributes each optimizer state into a new DTensor without the
-# padded buffer the graph binds (runtime.local_buffer then returns the unpadded local tensor).
+# padded buffer the graph binds; the next compiled call re-pads it (runtime.placed_state).
 FULL_STATE_DICT_VARIANT = "full_state_dict_after_first_call"
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.models import SimpleMLP, mse_step
-from tests.multirank import rank_data
+from tests.multirank import SelectedCases, rank_data
 
 STEPS = 200
 CHECK_EVERY = 20
@@ -75,15 +75,13 @@ def long_run_job(modes: list[str]) -> dict:
     return out
 
 
-_RESULTS: dict[int, list[dict]] = {}
+_RESULTS = SelectedCases(long_run_job, lambda item: item.callspec.params.get("mode"), timeout=600)
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
 def test_200_steps_stay_close_to_ddp(pool, mode):
-    if pool.world_size not in _RESULTS:
-        _RESULTS[pool.world_size] = pool.run(long_run_job, ["replicate", "fully_shard"], timeout=600)
-    for rank, results in enumerate(_RESULTS[pool.world_size]):
+    for rank, results in enumerate(_RESULTS.reports(pool)):
         res = results[mode]
         drift = res["drift"]
         assert sorted(drift) == list(range(CHECK_EVERY, STEPS + 1, CHECK_EVERY)), sorted(drift)

@@ -26,6 +26,7 @@ import torch.nn as nn
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.models import mse_step
 from tests.multirank import rank_data
 from tests.test_replicate import ATOL, RTOL
 
@@ -115,15 +116,6 @@ def input_shape(spec: dict, b: int) -> tuple[int, ...]:
     return (b, spec["in_channels"], spec["size"], spec["size"])
 
 
-def step_fn(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optim.step()
-    return loss
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -143,7 +135,7 @@ def parity_example(example: dict) -> dict:
     name, kwargs = example["optimizer"]
     cls = getattr(torch.optim, name)
     opt, ref_opt = cls(model.parameters(), **kwargs), cls(ddp.parameters(), **kwargs)
-    compiled = spmd_compile(DataParallel(example["mode"]))(step_fn)
+    compiled = spmd_compile(DataParallel(example["mode"]))(mse_step)
     problems, max_err = [], 0.0
 
     def close(where, actual, expected):
@@ -160,7 +152,7 @@ def parity_example(example: dict) -> dict:
     for i, b in enumerate(example["batches"]):
         x, y = rank_data(example["seed"] + i, input_shape(spec, b), (b, spec["out_features"]))
         loss = compiled(model, opt, (x.clone(), y.clone()))
-        ref_loss = step_fn(ddp, ref_opt, (x, y))
+        ref_loss = mse_step(ddp, ref_opt, (x, y))
         close(f"step {i}: loss", loss, ref_loss)
         for (n, p), q in zip(model.named_parameters(), ddp.module.parameters()):
             close(f"step {i}: {n}", p, q)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from spmd_compiler.consistency import exchange_objects
 from tests.models import MODELS, flexible_step, mse_step, train_step
-from tests.multirank import ParityChecker, rank_data
+from tests.multirank import ParityChecker, SelectedCases, rank_data
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -227,31 +227,21 @@ def parity_job(names: list[str]) -> dict[str, dict]:
 # Tests
 # --------------------------------------------------------------------------------------------------
 
-# world size -> per-rank reports of every case, or the exception the job raised (a failed or hung
-# job is run once per world size, not once per case)
-_REPORTS: dict[int, list[dict] | BaseException] = {}
+def _case_of(item) -> str | None:
+    """The case a collected test reads."""
+    if item.originalname == "test_scheduler_lr_takes_effect_without_recompiling":
+        return "lambda_lr_scheduler"
+    return item.callspec.params.get("case")
 
 
-def _reports(pool) -> list[dict]:
-    if pool.world_size not in _REPORTS:
-        try:
-            _REPORTS[pool.world_size] = pool.run(parity_job, list(CASES), timeout=600)
-        except Exception as e:
-            _REPORTS[pool.world_size] = e
-            raise
-    result = _REPORTS[pool.world_size]
-    if isinstance(result, BaseException):
-        raise AssertionError(
-            f"the parity job at world size {pool.world_size} failed: {result!r}"
-        ) from result
-    return result
+_REPORTS = SelectedCases(parity_job, _case_of, timeout=600)
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_replicate_matches_ddp(pool, case):
     expected_compiles = CASES[case]["compiles"]
-    for rank, reports in enumerate(_reports(pool)):
+    for rank, reports in enumerate(_REPORTS.reports(pool)):
         rep = reports[case]
         assert "exception" not in rep, f"{case} raised on rank {rank}: {rep.get('exception')}"
         # Observed max abs errors (shown with -rP / -s).
@@ -277,7 +267,7 @@ def test_replicate_matches_ddp(pool, case):
 def test_scheduler_lr_takes_effect_without_recompiling(pool):
     """LambdaLR changes lr every call: the compiled step must use the new lr (parity above checks
     the values) and keep running the same graph."""
-    for rank, reports in enumerate(_reports(pool)):
+    for rank, reports in enumerate(_REPORTS.reports(pool)):
         rep = reports["lambda_lr_scheduler"]
         assert "exception" not in rep, rep.get("exception")
         assert rep["counts"][-1] == 2, rep["counts"]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.models import SimpleMLP, train_step
-from tests.multirank import rank_data
+from tests.multirank import SelectedCases, rank_data
 from tests.test_replicate import ATOL, RTOL
 
 BATCH = 16
@@ -594,21 +594,21 @@ CATALOGUE = {
 WS3_CASES = {"param_not_in_optimizer": FS, "frozen_param": FS}
 
 
-def catalogue_job(plan: dict[str, tuple[str, ...]]) -> dict:
-    """Run every case of ``plan`` (name -> modes); a case that raises is reported, not fatal."""
+def catalogue_job(cases: list[tuple[str, str]]) -> dict:
+    """Run every (name, mode) of ``cases``; a case that raises is reported, not fatal."""
     out = {}
-    for name, modes in plan.items():
-        for mode in modes:
-            rep = Report()
-            try:
-                CATALOGUE[name][0](rep, mode)
-            except Exception as e:  # noqa: BLE001 - reported per case
-                rep.facts["exception"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-                dist.barrier()
-            for k in ("model", "ddp", "compiled"):
-                if not isinstance(rep.facts.get(k), (str, tuple, type(None))):
-                    rep.facts.pop(k, None)
-            out[(name, mode)] = rep.as_dict()
+    order = list(CATALOGUE)
+    for name, mode in sorted(cases, key=lambda c: (order.index(c[0]), CATALOGUE[c[0]][1].index(c[1]))):
+        rep = Report()
+        try:
+            CATALOGUE[name][0](rep, mode)
+        except Exception as e:  # noqa: BLE001 - reported per case
+            rep.facts["exception"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            dist.barrier()
+        for k in ("model", "ddp", "compiled"):
+            if not isinstance(rep.facts.get(k), (str, tuple, type(None))):
+                rep.facts.pop(k, None)
+        out[(name, mode)] = rep.as_dict()
     return out
 
 
@@ -771,20 +771,22 @@ def atomicity_job(mode: str) -> dict:
 # Tests: catalogue
 # --------------------------------------------------------------------------------------------------
 
-_REPORTS: dict[int, list[dict]] = {}
+def _case_of(item) -> tuple[str, str] | None:
+    """The (case, mode) a collected catalogue test reads (``runs`` marks it)."""
+    mark = item.get_closest_marker("catalogue")
+    if mark is None:
+        return None
+    params = item.callspec.params
+    return params.get("case", mark.args[0]), params["mode"]
 
 
-def _reports(pool) -> list[dict]:
-    if pool.world_size not in _REPORTS:
-        plan = {n: modes for n, (_, modes) in CATALOGUE.items()} if pool.world_size == 2 else WS3_CASES
-        _REPORTS[pool.world_size] = pool.run(catalogue_job, plan, timeout=600)
-    return _REPORTS[pool.world_size]
+_REPORTS = SelectedCases(catalogue_job, _case_of, timeout=600)
 
 
 def _case(pool, name: str, mode: str) -> list[dict]:
     """The per-rank reports of one case, after asserting it raised nothing and has no problems
     (parity with DDP)."""
-    reps = [r[(name, mode)] for r in _reports(pool)]
+    reps = [r[(name, mode)] for r in _REPORTS.reports(pool)]
     for rank, rep in enumerate(reps):
         assert "exception" not in rep["facts"], f"{name}/{mode} raised on rank {rank}: {rep['facts']['exception']}"
         assert not rep["problems"], (
@@ -803,7 +805,8 @@ def runs(*names: str):
                 params.append((ws, mode, name) if len(names) > 1 else (ws, mode))
                 ids.append(f"{name.split('_', 1)[-1] + '-' if len(names) > 1 else ''}{mode}-ws{ws}")
     argnames = "pool, mode, case" if len(names) > 1 else "pool, mode"
-    return pytest.mark.parametrize(argnames, params, indirect=["pool"], ids=ids)
+    parametrize = pytest.mark.parametrize(argnames, params, indirect=["pool"], ids=ids)
+    return lambda test: parametrize(pytest.mark.catalogue(names[0])(test))
 
 
 @runs("constants_in_batch")
@@ -897,12 +900,14 @@ def _flat_norm_line() -> int:
 
 
 @pytest.mark.parametrize("pool, mode", [(2, "replicate")], indirect=["pool"], ids=["replicate-ws2"])
+@pytest.mark.catalogue("flat_grad_norm")
 def test_flat_grad_norm_matches_ddp(pool, mode):
     for rep in _case(pool, "flat_grad_norm", mode):
         assert rep["facts"]["raised"] is None, rep["facts"]["raised"]
 
 
 @pytest.mark.parametrize("pool, mode", [(2, "fully_shard")], indirect=["pool"], ids=["fully_shard-ws2"])
+@pytest.mark.catalogue("flat_grad_norm")
 def test_flat_grad_norm_fully_shard_computes_or_names_the_line(pool, mode):
     for rep in _case(pool, "flat_grad_norm", mode):
         raised = rep["facts"]["raised"]

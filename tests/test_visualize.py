@@ -8,37 +8,17 @@ import subprocess
 import graphviz
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_compiler.passes.meta import BUCKET, COLLECTIVE, PARAM_FQN, PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler import visualize
 from spmd_compiler.tracing import trace_step
+from tests.models import SimpleMLP, train_step
 
 c10d = torch.ops._c10d_functional
 DOT = shutil.which("dot")
 needs_dot = pytest.mark.skipif(DOT is None, reason="graphviz `dot` binary not installed")
-
-
-class SimpleMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net1 = nn.Linear(50, 32)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(32, 8)
-
-    def forward(self, x):
-        return torch.sigmoid(self.net2(self.relu(self.net1(x))))
-
-
-def train_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = (model(x) - y).sum()
-    loss.backward()
-    optim.step()
-    return loss
 
 
 def _traced(batch=128):

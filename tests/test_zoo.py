@@ -8,7 +8,8 @@ DDP's. Dropout cases seed the global generator identically before both runs: the
 draw the same random numbers as the eager one (and, as a control, two seeds must give different
 outputs).
 
-All cases of both modes run in one worker job, so the pool and the imports are paid once.
+The selected cases of both modes run in one worker job (tests/multirank.SelectedCases), so the pool
+and the imports are paid once; the Hugging Face cases skip without transformers.
 
 Tolerances: ``|actual - expected| <= ATOL + RTOL * |expected|`` with RTOL = 1e-5 and ATOL = 1e-6 for
 parameters and optimizer states (float32 round-off; the compiled step records the same aten ops
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
+import importlib.util
 import warnings
 from copy import deepcopy
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from tests.multirank import SelectedCases
 from tests.zoo import CASES, make_batch
 
 RTOL = 1e-5
@@ -106,43 +109,40 @@ def _run_case(name: str, style: str) -> dict:
     return dict(max_err=diff.max_err, problems=diff.problems, compiles=compiled.compile_count)
 
 
-def zoo_job(names: list[str]) -> dict:
-    """Every case in both modes; a case that raises is reported, not fatal."""
+def zoo_job(cases: list[tuple[str, str]]) -> dict:
+    """The (name, style) cases, style by style; a case that raises is reported, not fatal."""
     warnings.filterwarnings("ignore")
     out = {}
-    for style in MODES:
-        for name in names:
-            start, cpu = time.perf_counter(), time.process_time()
-            try:
-                out[name, style] = _run_case(name, style)
-            except Exception as e:  # noqa: BLE001 - reported per case
-                out[name, style] = dict(
-                    exception=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-                dist.barrier()  # keep the ranks together for the next case
-            out[name, style]["seconds"] = time.perf_counter() - start
-            out[name, style]["cpu_seconds"] = time.process_time() - cpu
+    for name, style in sorted(cases, key=lambda c: MODES.index(c[1])):
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            out[name, style] = _run_case(name, style)
+        except Exception as e:  # noqa: BLE001 - reported per case
+            out[name, style] = dict(
+                exception=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            dist.barrier()  # keep the ranks together for the next case
+        out[name, style]["seconds"] = time.perf_counter() - start
+        out[name, style]["cpu_seconds"] = time.process_time() - cpu
     return out
 
 
-_REPORTS: list = []
+def _case_of(item) -> tuple[str, str] | None:
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return (params["name"], params["style"]) if "name" in params and "style" in params else None
 
 
-def _reports(pool) -> list[dict]:
-    if not _REPORTS:
-        try:
-            _REPORTS.append(pool.run(zoo_job, list(CASES), timeout=900))
-        except Exception as e:
-            _REPORTS.append(e)
-            raise
-    if isinstance(_REPORTS[0], BaseException):
-        raise AssertionError(f"the zoo job failed: {_REPORTS[0]!r}") from _REPORTS[0]
-    return _REPORTS[0]
+_REPORTS = SelectedCases(zoo_job, _case_of, timeout=900)
+# Hugging Face cases need transformers (an optional test dependency)
+_NO_TRANSFORMERS = importlib.util.find_spec("transformers") is None
+_CASE_PARAMS = [pytest.param(name, marks=pytest.mark.skipif(
+    _NO_TRANSFORMERS and name.startswith("hf_"), reason="transformers is not installed"))
+    for name in CASES]
 
 
 @pytest.mark.parametrize("style", MODES)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", _CASE_PARAMS)
 def test_zoo_model_matches_ddp(pool2, name, style):
-    for rank, reports in enumerate(_reports(pool2)):
+    for rank, reports in enumerate(_REPORTS.reports(pool2)):
         rep = reports[name, style]
         assert "exception" not in rep, f"{name} ({style}) raised on rank {rank}: {rep['exception']}"
         print(f"{name} {style} rank {rank}: max |diff| {rep['max_err']:.2g}, "
@@ -155,7 +155,7 @@ def test_a_loop_over_data_dependent_experts_raises_naming_the_line():
     """Hugging Face's "eager" experts loop runs once per expert hit (``for expert_idx in
     expert_hit``): a Python loop whose trip count is data. It cannot be one graph; the error names
     the loop. (The default "grouped_mm" experts compile: hf_mixtral_moe above.)"""
-    import transformers
+    transformers = pytest.importorskip("transformers")
 
     from spmd_compiler.errors import TraceError
     from spmd_compiler.tracing import trace_step

@@ -1,0 +1,264 @@
+"""Unit tests of single passes on small hand-built graphs (one process, no tracing): cleanup,
+grad_outputs, gloo_collectives, schedule, memory_plan and recompute. Each graph is written node
+by node with the meta the pass reads (REGION, ROLE, COLLECTIVE, SYNCED_GRAD, fake ``val``s)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from spmd_compiler.passes import meta
+from spmd_compiler.passes.cleanup import eliminate_dead_code, remove_profiler_nodes
+from spmd_compiler.passes.collectives import aten, c10d
+from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
+from spmd_compiler.passes.grad_outputs import output_gradients
+from spmd_compiler.passes.memory_plan import plan_static_memory, workspace
+from spmd_compiler.passes.recompute import recompute_activations, saved_activations
+from spmd_compiler.passes.schedule import schedule_for_memory
+
+FWD, BWD, OPT = meta.Region.FORWARD, meta.Region.BACKWARD, meta.Region.OPTIMIZER
+
+
+class _Builder:
+    """A graph written node by node; every node gets a fake ``val`` (computed by its op on the
+    inputs' fake values unless given) and a REGION."""
+
+    def __init__(self):
+        self.graph = fx.Graph()
+        self.mode = FakeTensorMode()
+
+    def input(self, name: str, *shape: int, role=meta.Role.INPUT, **extra) -> fx.Node:
+        n = self.graph.placeholder(name)
+        with self.mode:
+            n.meta["val"] = torch.empty(shape)
+        n.meta.update({meta.REGION: FWD, meta.ROLE: role, **extra})
+        return n
+
+    def call(self, target, *args, region=FWD, val=None, kwargs=None, **extra) -> fx.Node:
+        n = self.graph.call_function(target, args, kwargs or {})
+        if val is None:
+            with self.mode:
+                val = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args],
+                             **(kwargs or {}))
+        n.meta.update({"val": val, meta.REGION: region, **extra})
+        return n
+
+    def collective(self, target, *args, region, val, kind, params=(), **extra) -> tuple[fx.Node, fx.Node]:
+        issue = self.call(target, *args, region=region, val=val, **{
+            meta.ROLE: meta.Role.COLLECTIVE, meta.COLLECTIVE: dict(kind=kind, params=list(params))})
+        wait = self.call(c10d.wait_tensor.default, issue, region=region, val=val,
+                         **{meta.ROLE: meta.Role.COLLECTIVE, **extra})
+        return issue, wait
+
+    def done(self, *outputs) -> fx.GraphModule:
+        self.graph.output(list(outputs))
+        return fx.GraphModule(torch.nn.Module(), self.graph)
+
+
+def _targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+# ----------------------------------------------------------------------------------- cleanup
+
+
+def test_remove_profiler_nodes_and_dead_code_keep_in_place_ops():
+    b = _Builder()
+    x = b.input("x", 4)
+    enter = b.graph.call_function(torch.ops.profiler._record_function_enter_new.default, ("step", None))
+    b.call(aten.add.Tensor, x, x)  # dead
+    doubled = b.call(aten.mul.Tensor, x, 2)
+    b.call(aten.copy_.default, x, doubled)  # in place: its result is unused, it stays
+    b.graph.call_function(torch.ops.profiler._record_function_exit._RecordFunction, (enter,))
+    gm = remove_profiler_nodes(b.done(x))
+    assert _targets(gm) == [aten.mul.Tensor, aten.copy_.default]
+    gm.graph.lint()
+
+
+def test_eliminate_dead_code_keeps_collectives():
+    b = _Builder()
+    x = b.input("x", 4)
+    b.collective(c10d.all_reduce.default, x, "sum", "g", region=BWD, val=x.meta["val"],
+                 kind="all_reduce")  # its wait is unused: still communicates
+    b.call(aten.neg.default, x)
+    gm = eliminate_dead_code(b.done(x))
+    assert c10d.all_reduce.default in _targets(gm)
+    assert aten.neg.default not in _targets(gm)
+
+
+# ------------------------------------------------------------------------------ grad_outputs
+
+
+def test_output_gradients_appends_synced_gradients_in_graph_order():
+    b = _Builder()
+    x = b.input("x", 4)
+    loss = b.call(aten.sum.default, x)
+    g2 = b.call(aten.mul.Tensor, x, 2, region=BWD, **{meta.SYNCED_GRAD: "b.weight"})
+    g1 = b.call(aten.mul.Tensor, x, 3, region=BWD, **{meta.SYNCED_GRAD: "a.weight"})
+    gm = output_gradients(b.done(loss))
+    (outputs,) = next(n for n in gm.graph.nodes if n.op == "output").args
+    assert list(outputs) == [loss, g2, g1]
+    assert gm.meta[meta.KEPT_GRADS] == ["b.weight", "a.weight"]
+
+
+# --------------------------------------------------------------------------- gloo_collectives
+
+
+@pytest.fixture
+def one_rank_gloo():
+    """A real one-rank gloo process group, named as the collectives name it."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather_graph(group: str) -> fx.GraphModule:
+    b = _Builder()
+    shard = b.input("shard", 3, 2)
+    buf = b.call(aten.empty.memory_format, [3, 2], kwargs=dict(dtype=torch.float32, device="cpu"))
+    issue = b.call(c10d.all_gather_into_tensor_out.default, shard, 1, group, kwargs=dict(out=buf),
+                   val=buf.meta["val"], **{meta.ROLE: meta.Role.COLLECTIVE,
+                                           meta.COLLECTIVE: dict(kind="all_gather", params=["w"])})
+    wait = b.call(c10d.wait_tensor.default, issue, val=buf.meta["val"])
+    return b.done(b.call(aten.mul.Tensor, wait, 2))
+
+
+def test_broadcast_gathers_builds_the_gather_from_broadcasts(one_rank_gloo):
+    gm = broadcast_gathers(_gather_graph(one_rank_gloo))
+    targets = _targets(gm)
+    assert c10d.all_gather_into_tensor_out.default not in targets
+    assert targets.count(c10d.broadcast_.default) == 1 and aten.copy_.default in targets
+    assert all(n.meta[meta.COLLECTIVE]["kind"] == "broadcast" for n in gm.graph.nodes
+               if n.target is c10d.broadcast_.default)
+    shard = torch.arange(6.0).reshape(3, 2)
+    torch.testing.assert_close(gm(shard)[0], shard * 2)
+
+
+def test_broadcast_gathers_leaves_graphs_outside_a_process_group():
+    gm = broadcast_gathers(_gather_graph("no such group"))
+    assert c10d.all_gather_into_tensor_out.default in _targets(gm)
+
+
+def test_all_reduce_scatters_reduces_in_place_then_copies_own_rows(one_rank_gloo):
+    b = _Builder()
+    x = b.input("x", 4, 2)
+    doubled = b.call(aten.mul.Tensor, x, 2)
+    _, wait = b.collective(c10d.reduce_scatter_tensor.default, doubled, "sum", 1, one_rank_gloo,
+                           region=BWD, val=doubled.meta["val"], kind="reduce_scatter")
+    gm = all_reduce_scatters(b.done(wait), owned=lambda value, reader: value is doubled)
+    targets = _targets(gm)
+    assert c10d.reduce_scatter_tensor.default not in targets
+    assert c10d.all_reduce_.default in targets and aten.empty.memory_format in targets
+    x = torch.arange(8.0).reshape(4, 2)
+    torch.testing.assert_close(gm(x)[0], x * 2)
+
+
+# ---------------------------------------------------------------------------------- schedule
+
+
+def _gather_then_compute() -> fx.GraphModule:
+    """A shard gathered first in traced order; two computes before the first use of the gather."""
+    b = _Builder()
+    shard = b.input("w", 2, 4, role=meta.Role.PARAM, **{meta.PARAM_FQN: "w"})
+    x = b.input("x", 3, 4)
+    with b.mode:
+        full = torch.empty(4, 4)
+    _, gathered = b.collective(c10d.all_gather_into_tensor.default, shard, 2, "g", region=FWD,
+                               val=full, kind="all_gather", params=["w"])
+    a = b.call(aten.relu.default, x)
+    c = b.call(aten.neg.default, a)
+    return b.done(b.call(aten.mm.default, c, gathered))
+
+
+def _order(gm) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_schedule_issues_a_gather_just_before_its_use_without_prefetch():
+    gm = schedule_for_memory(_gather_then_compute(), prefetch_cap_mb=0)
+    assert _order(gm) == ["relu_default", "neg_default", "all_gather_into_tensor_default",
+                          "wait_tensor_default", "mm_default"]
+
+
+def test_schedule_prefetches_a_gather_within_the_cap():
+    gm = schedule_for_memory(_gather_then_compute(), prefetch_cap_mb=1)
+    assert _order(gm) == ["relu_default", "all_gather_into_tensor_default", "neg_default",
+                          "wait_tensor_default", "mm_default"]
+
+
+def test_schedule_without_overlap_waits_right_after_issuing():
+    gm = schedule_for_memory(_gather_then_compute(), prefetch_cap_mb=1, overlap=False)
+    order = _order(gm)
+    assert order.index("wait_tensor_default") == order.index("all_gather_into_tensor_default") + 1
+
+
+# ------------------------------------------------------------------------------- memory_plan
+
+
+def _two_temporaries() -> fx.GraphModule:
+    b = _Builder()
+    x = b.input("x", 64, 64)
+    a = b.call(aten.mul.Tensor, x, 2)
+    c = b.call(aten.add.Tensor, a, 1)
+    return b.done(b.call(aten.sum.default, c))
+
+
+def test_memory_plan_puts_temporaries_in_the_workspace_without_overlap():
+    gm = plan_static_memory(_two_temporaries(), min_bytes=1)
+    (ws,) = [n for n in gm.graph.nodes if n.target is workspace]
+    nbytes = 64 * 64 * 4
+    assert ws.args[0] == 2 * nbytes  # both alive at the add: side by side
+    planned = [n for n in gm.graph.nodes if "out" in n.kwargs]
+    assert [n.target for n in planned] == [aten.mul.out, aten.add.out]
+    for n in gm.graph.nodes:  # every view of the workspace has the value its op computes
+        val = n.meta.get("val")
+        if n.op == "call_function" and isinstance(val, torch.Tensor):
+            assert val.device.type == "cpu", n
+    slices = [n for n in gm.graph.nodes if n.target is aten.slice.Tensor]
+    assert sorted(s.args[2] for s in slices) == [0, nbytes]
+    x = torch.randn(64, 64)
+    torch.testing.assert_close(gm(x)[0], (x * 2 + 1).sum())
+
+
+def test_memory_plan_leaves_small_tensors_to_malloc():
+    gm = plan_static_memory(_two_temporaries())  # 16 KiB each, under the default 1 MiB
+    assert workspace not in _targets(gm)
+
+
+# --------------------------------------------------------------------------------- recompute
+
+
+def _saved_activation() -> fx.GraphModule:
+    b = _Builder()
+    x = b.input("x", 8, 8)
+    h = b.call(aten.relu.default, x)
+    y = b.call(aten.mul.Tensor, h, 2)
+    loss = b.call(aten.sum.default, y)
+    grad = b.call(aten.mul.Tensor, y, 3, region=BWD)  # the backward reads y
+    return b.done(loss, b.call(aten.sum.default, grad, region=BWD))
+
+
+def test_recompute_with_no_budget_recomputes_in_the_backward():
+    gm = _saved_activation()
+    assert list(saved_activations(gm)) == [n for n in gm.graph.nodes if n.name == "mul_tensor"]
+    gm = recompute_activations(gm, budget=0.0)
+    backward_reader = next(n for n in gm.graph.nodes if n.name == "mul_tensor_1")
+    (copy,) = [a for a in backward_reader.all_input_nodes]
+    assert copy.meta[meta.REGION] == BWD and copy.target is aten.mul.Tensor
+    assert copy.args[0].meta[meta.REGION] == BWD and copy.args[0].target is aten.relu.default
+    x = torch.randn(8, 8)
+    expected = (x.relu() * 2 * 3).sum()
+    torch.testing.assert_close(gm(x)[1], expected)
+
+
+def test_recompute_with_full_budget_changes_nothing():
+    gm = _saved_activation()
+    before = _order(gm)
+    assert _order(recompute_activations(gm, budget=1.0)) == before
