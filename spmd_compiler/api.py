@@ -111,10 +111,11 @@ class CompiledStep:
             sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims)
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
-                group = mesh_group(self._mesh(_device_of(args, kwargs)))
+                group = mesh_group(_step_mesh(self.mesh, _device_of(args, kwargs)))
                 agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
             raise
-        mesh = self._mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
+        device = module_device(sa.module, [sa.leaves[i] for i in sa.input_indices])
+        mesh = _step_mesh(self.mesh, device)
         key = self._step_key(sa)
         inputs, dp_mesh = graph_inputs(sa), self._data_mesh(mesh, sa)
         hparams = lifted_hparams(sa)
@@ -148,16 +149,6 @@ class CompiledStep:
             out = entry(sa, dp_mesh, hparams, self._kept.grads)
         run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
         return out
-
-    def _mesh(self, device: torch.device):
-        """The step's mesh: the one given, else the 1-D mesh over the default group."""
-        if self.mesh is None:
-            return default_mesh(device)
-        if self.mesh.get_coordinate() is None:
-            raise SPMDError(
-                f"rank {dist.get_rank()} is not in the mesh the step was compiled for "
-                f"({self.mesh}); call the compiled step only on the mesh's ranks")
-        return self.mesh
 
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
         """Build the program (or load it from the disk cache), check that every rank has the
@@ -221,6 +212,17 @@ def build_options(step: CompiledStep, dims: list[tuple[str, int]], dynamic=None)
     return BuildOptions(step.parallel_mode, step.backend, dims, dynamic, step._kept.mode,
                         step.gm_transformation, await_agreement if step.check_ranks else None,
                         dump_dir_for_compile(step.dump_dir, step.compile_count))
+
+
+def _step_mesh(mesh, device: torch.device):
+    """The step's mesh: the one given, else the 1-D mesh over the default group."""
+    if mesh is None:
+        return default_mesh(device)
+    if mesh.get_coordinate() is None:
+        raise SPMDError(
+            f"rank {dist.get_rank()} is not in the mesh the step was compiled for "
+            f"({mesh}); call the compiled step only on the mesh's ranks")
+    return mesh
 
 
 def _require_process_group() -> None:
@@ -317,7 +319,7 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     step = train_step if isinstance(train_step, CompiledStep) else CompiledStep(
         train_step, parallel_mode or DataParallel("replicate"), dump_dir=dump_dir)
     if dist.is_available() and dist.is_initialized():
-        dims = mesh_dims(step._mesh(torch.device("cpu")))
+        dims = mesh_dims(_step_mesh(step.mesh, torch.device("cpu")))
     elif step.parallel_mode.parallel_style == "hybrid_shard":
         shape = world_size if isinstance(world_size, tuple) else (max(1, (world_size or 4) // 2), 2)
         dims = [("explain_replicate", shape[0]), ("explain_shard", shape[1])]
