@@ -36,6 +36,11 @@ from tests.models import SimpleMLP, train_step
 from tests.multirank import SelectedCases, rank_data
 from tests.test_replicate import ATOL, RTOL
 
+# The seed's loss is a sum of b x 8 signed differences that mostly cancel: its float32 round-off is
+# that of every term added up (a few 1e-6 after two Adam steps), not of its small result.
+# Parameters and optimizer states, which are what training keeps, are held to ATOL.
+LOSS_ATOL = 1e-5
+
 BATCH = 16
 
 # --------------------------------------------------------------------------------------------------
@@ -199,7 +204,7 @@ class Report:
         if not cond:
             self.problems.append(msg)
 
-    def close(self, where: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    def close(self, where: str, actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL) -> None:
         a, e = _full(actual), _full(expected)
         if a.shape != e.shape or a.dtype != e.dtype:
             self.problems.append(f"{where}: {tuple(a.shape)} {a.dtype} vs DDP {tuple(e.shape)} {e.dtype}")
@@ -207,8 +212,8 @@ class Report:
         a, e = a.to(torch.float64), e.to(torch.float64)
         err = float((a - e).abs().max()) if a.numel() else 0.0
         self.max_err = max(self.max_err, err if err == err else float("inf"))
-        if not bool(torch.isclose(a, e, rtol=RTOL, atol=ATOL).all()):
-            self.problems.append(f"{where}: max abs err {err:.3g} (rtol={RTOL}, atol={ATOL})")
+        if not bool(torch.isclose(a, e, rtol=RTOL, atol=atol).all()):
+            self.problems.append(f"{where}: max abs err {err:.3g} (rtol={RTOL}, atol={atol})")
 
     def as_dict(self) -> dict:
         return dict(problems=self.problems, max_err=self.max_err, facts=self.facts)
@@ -268,7 +273,7 @@ def parity_run(rep: Report, mode: str, model_fn, opt_fn, step, batches, *, dp_kw
         if ref_out is None:
             rep.check(out is None, f"step {i}: returned {out!r}, eager returned None")
         else:
-            rep.close(f"step {i}: loss", _loss_of(out), _loss_of(ref_out))
+            rep.close(f"step {i}: loss", _loss_of(out), _loss_of(ref_out), atol=LOSS_ATOL)
             for j, (o, r) in enumerate(zip(out[1:], ref_out[1:]) if isinstance(ref_out, tuple) else ()):
                 if isinstance(r, torch.Tensor):
                     rep.close(f"step {i}: returned value {j + 1}", o, r)

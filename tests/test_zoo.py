@@ -47,7 +47,8 @@ def _full(t):
 
 
 class _Diff:
-    def __init__(self):
+    def __init__(self, atol: float = ATOL):
+        self.atol = atol
         self.max_err = 0.0
         self.problems: list[str] = []
 
@@ -59,7 +60,7 @@ class _Diff:
         a, e = actual.double(), expected.double()
         err = float((a - e).abs().max()) if a.numel() else 0.0
         self.max_err = max(self.max_err, math.inf if math.isnan(err) else err)
-        if not torch.allclose(a, e, rtol=RTOL, atol=ATOL):
+        if not torch.allclose(a, e, rtol=RTOL, atol=self.atol):
             self.problems.append(f"{where}: max abs err {err:.3g}")
 
 
@@ -76,7 +77,7 @@ def _run_case(name: str, style: str) -> dict:
     ddp_opt = torch.optim.Adam(ddp.parameters(), lr=case.lr, fused=True)
     compiled = spmd_compile(DataParallel(style, input_batch_dim=case.input_batch_dim))(case.step)
     rank = dist.get_rank()
-    diff = _Diff()
+    diff = _Diff(case.atol)
     for i in range(STEPS):
         batch = make_batch(name, i, BATCH if i < STEPS - 1 else SHORT_BATCH, rank)
         torch.manual_seed(100 + i)  # dropout: the same random stream for both

@@ -338,6 +338,10 @@ class ZooCase:
     input_batch_dim: Any = 0
     lr: float = 1e-3
     dropout: bool = False  # draws random numbers in the step
+    # Eager DDP runs oneDNN's fused recurrent kernels, the compiled step their traced
+    # decomposition: another summation order, which Adam's normalization carries into the weights
+    # (2.2e-6 on an LSTM's head after one step on an AVX-512 machine).
+    atol: float = 1e-6
 
 
 def _seq_batch(gen, b, t=10):
@@ -382,12 +386,12 @@ CASES: dict[str, ZooCase] = {
     "transformer_encoder_padding": ZooCase(EncoderClassifier, _class_batch, classify_step),
     "transformer_decoder": ZooCase(DecoderLM, _seq_batch, lm_step),
     # torch.nn recurrent
-    "lstm_batch_first": ZooCase(lambda: RecurrentLM("LSTM", True), _short_seq_batch, lm_step),
+    "lstm_batch_first": ZooCase(lambda: RecurrentLM("LSTM", True), _short_seq_batch, lm_step, atol=5e-6),
     "lstm_time_major": ZooCase(lambda: RecurrentLM("LSTM", False), _time_major_batch,
-                               time_major_step, input_batch_dim=(1, 0)),
+                               time_major_step, input_batch_dim=(1, 0), atol=5e-6),
     "gru_time_major": ZooCase(lambda: RecurrentLM("GRU", False), _time_major_batch,
-                              time_major_step, input_batch_dim=(1, 0)),
-    "rnn_batch_first": ZooCase(lambda: RecurrentLM("RNN", True), _short_seq_batch, lm_step),
+                              time_major_step, input_batch_dim=(1, 0), atol=5e-6),
+    "rnn_batch_first": ZooCase(lambda: RecurrentLM("RNN", True), _short_seq_batch, lm_step, atol=5e-6),
     # torch.nn convolution, normalization, embedding bags, per-sample indexing, routing
     "conv1d_batchnorm": ZooCase(lambda: ConvNorm(1, "batch"), _image_batch(1), classify_step),
     "conv2d_groupnorm": ZooCase(lambda: ConvNorm(2, "group"), _image_batch(2), classify_step),
