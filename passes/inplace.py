@@ -33,8 +33,10 @@ def reduce_in_place(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node.target is aten.div.Tensor and not (
             isinstance(node.args[1], (int, float)) and _same_tensor_type(node, node.args[0])
+            and not _overlaps_itself(node.args[0])
         ):
-            continue  # dividing by a tensor may broadcast or promote: not in place
+            continue  # dividing by a tensor may broadcast or promote, an expanded view holds one
+            # element for several: not in place
         node.target = inplace
     gm.graph.lint()
     gm.recompile()
@@ -78,6 +80,15 @@ def _same_tensor_type(a: fx.Node, b: fx.Node) -> bool:
     va, vb = a.meta.get("val"), b.meta.get("val")
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
             and va.dtype.is_floating_point and list(map(str, va.shape)) == list(map(str, vb.shape)))
+
+
+def _overlaps_itself(node: fx.Node) -> bool:
+    """Does ``node``'s value hold one memory location for several elements (a stride 0 over a
+    dim of more than one element, as ``expand`` makes)? An in-place write then fails."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return True
+    return any(str(st) == "0" and str(size) != "1" for size, st in zip(val.shape, val.stride()))
 
 
 def owned_temporary(value, reader: fx.Node) -> bool:

@@ -2,7 +2,8 @@
 
 ``with step.no_sync(): step(model, optim, batch)`` runs the step's forward and backward only:
 no gradient collective, no optimizer update. The gradients (each rank's own, unsharded, in the
-parameters' dtype) are kept by the compiled step between calls. The next call outside
+parameters' dtype) are kept with the model between calls (``accumulated_grads``: one set per
+model object, so two models trained through one step never mix theirs). The next call outside
 ``no_sync`` runs the whole step, its backward adding to the kept gradients, then syncs them
 once and updates the parameters, as DDP does after ``no_sync`` and FSDP2 after
 ``set_requires_gradient_sync(False)``; the kept gradients are then dropped.
@@ -19,11 +20,25 @@ call. Each mode is its own program (recorded once, with the mode in the cache ke
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 ACCUMULATE = "accumulate"
 APPLY = "apply"
+
+_GRADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def accumulated_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's gradients that calls inside ``no_sync`` accumulated for ``module``'s
+    parameters, by parameter name (empty when none): the model's, whatever step ran them; the
+    runtime adds to and clears this dict in place."""
+    grads = _GRADS.get(module)
+    if grads is None:
+        grads = _GRADS[module] = {}
+    return grads
 
 
 @contextlib.contextmanager
@@ -51,12 +66,17 @@ def accumulating(optimizers, module: torch.nn.Module,
 
 
 class KeptGradients:
-    """A compiled step's accumulation state: inside ``no_sync`` or not, and each parameter's
-    gradient accumulated on this rank so far (updated in place by the runtime)."""
+    """A compiled step's accumulation state: inside ``no_sync`` or not, and the gradients that
+    ``module`` (the model of the current call, set by the step) accumulated on this rank so far
+    (``accumulated_grads``: the model's, updated in place by the runtime)."""
 
     def __init__(self):
         self.inside_no_sync = False
-        self.grads: dict[str, torch.Tensor] = {}
+        self.module: torch.nn.Module | None = None
+
+    @property
+    def grads(self) -> dict[str, torch.Tensor]:
+        return accumulated_grads(self.module) if self.module is not None else {}
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -65,6 +85,11 @@ class KeptGradients:
             yield
         finally:
             self.inside_no_sync = outer
+
+    def mode_for(self, module: torch.nn.Module) -> str | None:
+        """``mode`` for a call with ``module``, whose accumulated gradients the call then uses."""
+        self.module = module
+        return self.mode
 
     @property
     def mode(self) -> str | None:

@@ -17,9 +17,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import cache, compile_log, saving
+from . import cache, compile_log, guards, saving
 from .accumulation import KeptGradients
-from .cache import cache_dir_from
 from .consistency import (
     CACHED,
     COMPILE,
@@ -91,18 +90,15 @@ class CompiledStep:
         self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
-        self._kept = KeptGradients()  # gradients accumulated by calls inside no_sync()
+        self._kept, self._lifts = KeptGradients(), guards.LiftPolicy()  # no_sync; read numbers
 
     def no_sync(self):
-        """Calls of the step inside this block run its forward and backward only: gradients
-        accumulate on each rank (kept by the step, not in ``p.grad``), with no communication and
-        no optimizer update; the step's ``zero_grad`` does nothing. The next call outside the
-        block adds its own gradients to them, syncs once and updates (DDP's ``no_sync``, FSDP2's
-        ``set_requires_gradient_sync(False)``). See spmd_compiler/accumulation.py."""
+        """Calls inside this block run forward and backward only, gradients accumulating with the
+        model; the next call outside syncs once and updates (DDP's ``no_sync``): accumulation.py."""
         return self._kept.no_sync()
 
     def _step_key(self, sa: StepArgs) -> tuple:
-        return step_key(sa) + (("gradient accumulation", self._kept.mode),)
+        return step_key(sa) + (("gradient accumulation", self._kept.mode_for(sa.module)),)
 
     def __call__(self, *args, **kwargs):
         _require_process_group()
@@ -154,15 +150,15 @@ class CompiledStep:
         """Build the program (or load it from the disk cache), check that every rank has the
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
-        why_again = compile_log.reason(self._last_key, key)
+        why_again = _why_again(self, key)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
-            disk_key, stored = cache.lookup(_disk_cache(self), sa, dynamic, group, self.check_ranks,
-                                            fn=self.fn, options=_cache_options(self))
+            disk, stored = cache.lookup(_disk_cache(self), sa, dynamic, group, self.check_ranks,
+                                        fn=self.fn, options=_cache_options(self))
         try:
             refuse_bound(sa.module)
-            ready = _loaded(stored) if stored is not None else self._build(sa, mesh, key, dynamic, why)
+            ready = stored if stored is not None else self._build(sa, mesh, key, dynamic, why)
             description = describe_program(sa, ready.graph, ready.traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
@@ -175,8 +171,8 @@ class CompiledStep:
         compile_log.announce(self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
                              ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
-        if stored is None and disk_key is not None:
-            cache.save(_disk_cache(self), disk_key, sa, self.fn, entry, ready, entry_summary(entry))
+        if stored is None and disk is not None:
+            cache.save(*disk, sa, self.fn, entry, ready, entry_summary(entry))
         return entry
 
     def _install(self, sa: StepArgs, mesh, ready: "_Ready") -> CompiledGraph:
@@ -186,7 +182,7 @@ class CompiledStep:
         self._last_key = key = self._step_key(sa)
         entry = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, key, ready.seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager",
-                              summary=ready.summary)
+                              summary=ready.summary, values=guards.bind(ready.traced, self.fn, sa))
         self._programs.append(entry)
         self._shapes.remember(sa, ready.traced)
         self.compile_count += 1
@@ -198,7 +194,7 @@ class CompiledStep:
 
     def _build(self, sa: StepArgs, mesh, key, dynamic, why) -> "_Ready":
         if self._last_key is not None:
-            info("spmd_compiler: recompiling %s: %s", self.__name__, _why(self._last_key, key))
+            info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, _why))
         if why:
             info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         program = build_program(self.fn, sa, build_options(self, self._data_mesh.dims(mesh, sa), dynamic))
@@ -206,12 +202,26 @@ class CompiledStep:
                       describe_graph(program.gm), len(program.gm.graph.nodes))
 
 
+def _why_again(step: CompiledStep, key: tuple, static=compile_log.reason) -> str | None:
+    """Why ``step`` compiles again for the static ``key``: a Python value its newest program for
+    ``key`` read changed (guards.py; numbers among them become inputs), or what changed in the
+    static key (``static(old key, key)``)."""
+    return (guards.recompile_reason(step._programs, key, step._lifts)
+            or static(step._last_key, key))
+
+
+def _why(old: tuple, new: tuple) -> str:
+    changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
+    return "changed " + ", ".join(changed) if changed else (
+        "input shapes, a baked-in learning rate or an unbatched input's value outside the guards")
+
+
 def build_options(step: CompiledStep, dims: list[tuple[str, int]], dynamic=None) -> BuildOptions:
     """The pipeline's options for a compile of ``step`` on mesh ``dims`` ((group name, size)
     per dim, outermost first)."""
     return BuildOptions(step.parallel_mode, step.backend, dims, dynamic, step._kept.mode,
                         step.gm_transformation, await_agreement if step.check_ranks else None,
-                        dump_dir_for_compile(step.dump_dir, step.compile_count))
+                        dump_dir_for_compile(step.dump_dir, step.compile_count), step._lifts)
 
 
 def _step_mesh(mesh, device: torch.device):
@@ -270,12 +280,11 @@ def _write_summaries(entry: CompiledGraph, dump_dir: str | None, index: int) -> 
         write_summary(entry_summary(entry), dump_dir)
 
 
-def _disk_cache(step: CompiledStep) -> str | None:
+def _disk_cache(step: CompiledStep) -> tuple[str | None, str]:
     """The program cache directory, if the cache applies to the step (eager backend, no
-    per-stage dumps, which need a real compile, no gradient accumulation)."""
-    if step.backend != "eager" or step.dump_dir or step._kept.mode:
-        return None
-    return cache_dir_from(step.cache_dir)
+    per-stage dumps, which need a real compile, no gradient accumulation, a trusted directory),
+    and the setting that decided it (cache.setting)."""
+    return cache.setting(step.cache_dir, step.dump_dir, step.backend, bool(step._kept.mode))
 
 
 def _cache_options(step: CompiledStep) -> dict:
@@ -295,14 +304,6 @@ class _Ready(NamedTuple):
     graph: dict  # consistency.describe_graph of the final graph
     num_nodes: int
     summary: Any = None  # the stored summary of a loaded program
-
-
-def _loaded(stored) -> _Ready:
-    start = time.perf_counter()
-    traced, runnable = cache.unpack(stored)
-    seconds = {"loaded from cache": time.perf_counter() - start}
-    return _Ready(traced, runnable, stored.guard_code, seconds, stored.graph_description,
-                  stored.num_nodes, stored.summary)
 
 
 def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = None,
@@ -391,7 +392,8 @@ def step_key(sa: StepArgs) -> tuple:
     optim = []
     for opt in sa.optimizers:
         groups = tuple(
-            tuple(sorted((k, _hashable(v)) for k, v in g.items() if k != "params" and k not in LIFTED_HPARAMS))
+            tuple(sorted((k, _hashable(v)) for k, v in g.items()  # plain values: guards.py
+                         if k != "params" and k not in LIFTED_HPARAMS and not guards.is_plain(v)))
             + (tuple(id(p) for p in g["params"]),)
             for g in opt.param_groups
         )
@@ -415,12 +417,6 @@ def step_key(sa: StepArgs) -> tuple:
         ("train/eval mode", training), ("optimizer", tuple(optim)),
         ("input structure", str(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
     )
-
-
-def _why(old: tuple, new: tuple) -> str:
-    changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
-    return "changed " + ", ".join(changed) if changed else (
-        "input shapes, a baked-in learning rate or an unbatched input's value outside the guards")
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",

@@ -14,19 +14,32 @@ optimizers (class, hyperparameters but the lifted learning rate, parameter group
 structure); the batch's structure, dtypes, batch dims, the dims traced as symbolic sizes and the
 sizes of the others; non-tensor arguments; torch's default dtype and grad/autocast mode.
 
-**Staleness.** Each file also lists the Python source files that were on the stack when the
-compiler recorded the step, and the files of the model's and optimizer's classes, each with its
-content hash. A file whose sources changed since is stale: it is ignored, and the recompile
-overwrites it. Code that ran during the recording but was never on the stack of a recorded
-operation (a function that only returns a Python value) is covered only through the files that
-called it.
+**Values.** A stored program keeps its value guards (spmd_compiler/guards.py: every Python
+value the recording read, by its path from the step's model, optimizers and function and by
+value). A program whose guards fail on the current objects is not loaded: a setting changed at
+run time (argparse, the environment, an edited config module) compiles again.
 
-**Ranks.** Every rank looks its own program up; unless every rank found its program, every rank
-compiles (one all_reduce), so ranks never differ in whether they compiled. Files are written
+**Staleness**, a second check. Each file also lists the Python source files of the code the
+recording ran (on the stack of a recorded operation, or reachable by name from it), and the
+files of the model's and optimizer's classes, each with its content hash. A file whose sources
+changed since is stale: it is ignored, and the recompile overwrites it.
+
+**Ranks.** Whether to use the cache, and whether every rank found a usable program, is decided by
+every rank together (one exchange of small objects), before any rank loads or compiles: a rank
+with the cache off (another ``SPMD_CACHE_DIR``/``cache_dir``, ``SPMD_DUMP_DIR``, an unsafe
+directory) turns it off on every rank, with a warning naming the setting. Files are written
 atomically (a temporary file renamed over the target).
 
-**Bad files.** A file that cannot be read, fails its checksum, was written by another format or
-key, or does not describe a usable program is ignored with a log line; the step compiles.
+**Trust.** A file holds generated Python and pickled data: loading it runs code. The directory
+must be owned by the user and not writable by group or others (else the cache is off, with a
+warning); it is created with mode 0700. Every file carries an HMAC-SHA256 of its content under a
+per-user key (``.spmd-key`` in the directory, 32 random bytes, mode 0600, owned by the user),
+checked before anything in the file is unpickled or run: a file planted or edited by anyone
+without the key is refused.
+
+**Bad files.** A file that cannot be read, fails its HMAC, was written by another format or
+key, or does not describe a usable program (its code does not compile, its fields or guards do
+not fit) is ignored with a log line on every rank; all ranks compile, and the compile rewrites it.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import hmac
 import importlib
 import inspect
 import logging
@@ -42,6 +56,7 @@ import pickle
 import platform
 import sys
 import tempfile
+import time
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
@@ -61,8 +76,9 @@ def _info(msg: str, *args) -> None:
     if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
         log.info(msg, *args)
 
-FORMAT = 2
+FORMAT = 3  # 3: HMAC-SHA256 under the user's key, value guards
 _MAGIC = b"spmd-compiler-program\n"
+_KEY_FILE = ".spmd-key"
 
 
 @dataclass
@@ -85,13 +101,143 @@ class StoredProgram:
 # Fields of TracedStep a stored program keeps (the graph itself and its ShapeEnv are not kept).
 _TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "out_constants",
                   "dynamic_dims", "static_sizes", "specialized_dims", "entangled", "source_files",
-                  "specialized_inputs")
+                  "specialized_inputs", "value_guards")
 
 
 def cache_dir_from(option: str | None) -> str | None:
     """The cache directory: the ``cache_dir`` option, else ``SPMD_CACHE_DIR``, else none."""
     path = option or os.environ.get("SPMD_CACHE_DIR") or None
     return os.path.expanduser(path) if path else None
+
+
+def setting(option: str | None, dump_dir: str | None, backend: str,
+            accumulating: bool) -> tuple[str | None, str]:
+    """The cache directory this rank would use for a compile (None: no cache), and the setting
+    that decided it, for the message when ranks differ. A directory that cannot be trusted
+    (``unsafe``) turns the cache off with a warning."""
+    if backend != "eager":
+        return None, f"backend={backend!r}"
+    if dump_dir:
+        return None, f"dump_dir / SPMD_DUMP_DIR={dump_dir!r} (dumps need a real compile)"
+    if accumulating:
+        return None, "gradient accumulation (no_sync)"
+    path = cache_dir_from(option)
+    if path is None:
+        return None, "cache_dir / SPMD_CACHE_DIR unset"
+    why = unsafe(path)
+    if why is not None:
+        logging.getLogger("spmd_compiler").warning(
+            "spmd_compiler: program cache off: %s cannot be trusted: %s", path, why)
+        return None, f"cache_dir / SPMD_CACHE_DIR={path!r} refused ({why})"
+    return path, f"cache_dir / SPMD_CACHE_DIR={path!r}"
+
+
+def agree(on: bool, described: str, found: bool, group) -> tuple[bool, bool]:
+    """(use the cache, load the programs found) as every rank of ``group`` decides together:
+    the cache only if it is on for every rank (else off everywhere, with a warning naming each
+    rank's setting), loading only if every rank found a usable program (else all compile)."""
+    from .consistency import exchange_objects
+
+    views = exchange_objects((on, described, found), group)
+    if any(v[0] for v in views) and not all(v[0] for v in views):
+        logging.getLogger("spmd_compiler").warning(
+            "spmd_compiler: program cache off on every rank: the ranks' settings differ (%s); "
+            "set cache_dir / SPMD_CACHE_DIR (and SPMD_DUMP_DIR) alike on every rank",
+            "; ".join(f"rank {r}: {v[1]}" for r, v in enumerate(views)))
+        return False, False
+    return on, all(v[2] for v in views)
+
+
+@dataclass
+class Loaded:
+    """A stored program made ready to run."""
+
+    traced: TracedStep
+    runnable: Callable
+    guard_code: str | None
+    seconds: dict[str, float]
+    graph: dict[str, Any]
+    num_nodes: int
+    summary: Any
+
+
+def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs) -> Loaded | None:
+    """``program`` unpacked, if it can serve this call: its code compiles, its fields describe a
+    program for these arguments and its value guards hold on the current objects; else None,
+    logged."""
+    from . import guards
+    from .consistency import describe_program
+
+    if program is None:
+        return None
+    try:
+        start = time.perf_counter()
+        traced, runnable = unpack(program)
+        seconds = {"loaded from cache": time.perf_counter() - start}
+        if program.guard_code:
+            compile(program.guard_code, "<shape guards>", "eval")
+        describe_program(sa, program.graph_description, traced.dynamic_dims)
+        roots = guards.step_roots(fn, sa)
+        guards.lifted_numbers([g.path for g in traced.value_guards if g.lifted], roots)
+        changes = guards.ValueGuards(traced.value_guards, roots).changed()
+    except Exception as e:  # noqa: BLE001 - any unusable file is ignored, and rewritten
+        _info("spmd_compiler: cached program %s ignored (%s: %s); compiling", program.key[:12],
+              type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+    if changes:
+        _info("spmd_compiler: cached program %s not used: %s; compiling", program.key[:12],
+              guards.describe_changes(changes))
+        return None
+    return Loaded(traced, runnable, program.guard_code, seconds, program.graph_description,
+                  program.num_nodes, program.summary)
+
+
+def unsafe(path: str) -> str | None:
+    """Why the cache directory ``path`` (made, mode 0700, if missing) cannot be trusted, or None:
+    it must be a directory owned by this user that neither group nor others can write."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as e:
+        return f"it cannot be made or read ({e})"
+    if not os.path.isdir(path):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return (f"group or others can write it (mode {st.st_mode & 0o777:o}); "
+                f"chmod go-w {path}, or use a private directory")
+    return None
+
+
+def _key(cache_dir: str) -> bytes:
+    """The user's HMAC key for ``cache_dir``: made once (32 random bytes, mode 0600, linked into
+    place atomically, so concurrent ranks agree on one); refused unless owned by this user and
+    readable by nobody else."""
+    path = os.path.join(cache_dir, _KEY_FILE)
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-key-")  # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(32))
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another rank made it first
+        finally:
+            os.unlink(tmp)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(f"{path} must be owned by this user and readable by nobody else")
+        key = f.read()
+    if len(key) < 32:
+        raise ValueError(f"{path} is not a key")
+    return key
+
+
+def _mac(key: bytes, payload: bytes) -> str:
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,29 +482,30 @@ def dependencies(files: list[str]) -> list[tuple[str, str]]:
 # Looking a program up and saving it
 
 
-def lookup(cache_dir: str | None, sa: StepArgs, dynamic_dims: dict[int, tuple[int, ...]], group,
-           agree: bool, *, fn: Callable, options: dict[str, Any]):
-    """(key, stored program) from the disk cache: (None, None) without a cache; (key, None)
-    unless every rank found the program (with ``agree``: all compile then, so none waits for
-    another)."""
+def lookup(cache: tuple[str | None, str], sa: StepArgs, dynamic_dims: dict[int, tuple[int, ...]],
+           group, check_ranks: bool, *, fn: Callable, options: dict[str, Any]):
+    """((cache directory, key), Loaded program) from the disk cache; (None, None) without a
+    cache; ((dir, key), None) unless every rank found a usable program. ``cache`` is this rank's
+    ``setting``; with ``check_ranks`` every rank decides together (``agree``) before any loads
+    or compiles, so none waits for another."""
     import torch.distributed as dist
 
-    if cache_dir is None:
+    cache_dir, described = cache
+    key, found = None, None
+    if cache_dir is not None:
+        try:
+            key = program_key(fn=fn, sa=sa, dynamic_dims=dynamic_dims, rank=dist.get_rank(group),
+                              world_size=dist.get_world_size(group), group_name=group.group_name,
+                              options=options)
+            found = usable(load(cache_dir, key), fn, sa)
+        except Exception as e:  # noqa: BLE001 - the cache never stops a compile
+            log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
+    on, everyone_found = cache_dir is not None, found is not None
+    if check_ranks and dist.get_world_size(group) > 1:
+        on, everyone_found = agree(on, described, found is not None, group)
+    if not on or key is None:
         return None, None
-    try:
-        key = program_key(fn=fn, sa=sa, dynamic_dims=dynamic_dims, rank=dist.get_rank(group),
-                          world_size=dist.get_world_size(group), group_name=group.group_name,
-                          options=options)
-        stored = load(cache_dir, key)
-    except Exception as e:  # noqa: BLE001 - the cache never stops a compile
-        log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
-        key, stored = None, None
-    if agree and dist.get_world_size(group) > 1:
-        found = torch.tensor([stored is not None], dtype=torch.int64)
-        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
-        if not found.item():
-            stored = None
-    return key, stored
+    return (cache_dir, key), found if everyone_found else None
 
 
 def save(cache_dir: str, key: str, sa: StepArgs, fn: Callable, entry, ready, summary) -> None:
@@ -493,9 +640,9 @@ def load(cache_dir: str, key: str) -> StoredProgram | None:
         payload = blob[header_end + 1:]
         if int(fmt) != FORMAT:
             raise ValueError(f"format {fmt}, expected {FORMAT}")
-        if hashlib.sha256(payload).hexdigest() != digest:
-            raise ValueError("checksum mismatch")
-        program = pickle.loads(payload)
+        if not hmac.compare_digest(_mac(_key(cache_dir), payload), digest):
+            raise ValueError("not signed with this user's key: refused without reading it")
+        program = pickle.loads(payload)  # only what this user's compiles wrote
         if not isinstance(program, StoredProgram) or program.key != key:
             raise ValueError("another key")
         if {f.name for f in fields(StoredProgram)} - set(vars(program)):
@@ -514,13 +661,12 @@ def load(cache_dir: str, key: str) -> StoredProgram | None:
 def store(cache_dir: str, program: StoredProgram) -> None:
     """Write ``program`` atomically (a temporary file renamed over the target)."""
     payload = pickle.dumps(program, protocol=pickle.HIGHEST_PROTOCOL)
-    header = _MAGIC + f"{FORMAT} {hashlib.sha256(payload).hexdigest()}\n".encode()
     try:
-        os.makedirs(cache_dir, exist_ok=True)
+        header = _MAGIC + f"{FORMAT} {_mac(_key(cache_dir), payload)}\n".encode()
         fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-", suffix=".program")
         with os.fdopen(fd, "wb") as f:
             f.write(header)
             f.write(payload)
         os.replace(tmp, path_for(cache_dir, program.key))
-    except OSError as e:
+    except (OSError, ValueError) as e:
         _info("spmd_compiler: could not write the program cache in %s (%s)", cache_dir, e)

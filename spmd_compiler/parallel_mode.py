@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from .errors import SPMDError
@@ -120,6 +121,7 @@ class DataParallel:
     divide_gradients: str = "before"
 
     def __post_init__(self):
+        _check_types(self)
         budget = self.activation_memory_budget
         if budget is not None and not (isinstance(budget, (int, float)) and 0 <= budget <= 1):
             raise SPMDError(
@@ -135,11 +137,43 @@ class DataParallel:
                 f"use one of {', '.join(map(repr, _STYLES))}"
             )
 
-
     def placements(self, mesh_ndim: int) -> tuple[Placement, ...]:
         """The parameters' placement on each dim of a mesh with ``mesh_ndim`` dims."""
         inner = Shard(0) if self.parallel_style in SHARDED_STYLES else Replicate()
         return (Replicate(),) * (mesh_ndim - 1) + (inner,)
+
+
+_FLAGS = ("reshard_after_forward", "broadcast_buffers", "fuse_optimizer", "split_optimizer",
+          "overlap", "keep_grads", "automatic_dynamic")
+_SIZES_MB = ("bucket_cap_mb", "own_collective_mb", "prefetch_cap_mb", "reduce_cap_mb")
+
+
+def _check_types(mode: DataParallel) -> None:
+    """Raise an SPMDError naming the first argument of ``mode`` of the wrong type or range."""
+    if not isinstance(mode.parallel_style, str):
+        raise SPMDError(f"DataParallel: parallel_style must be a str, got "
+                        f"{type(mode.parallel_style).__name__}")
+    for name in _FLAGS:
+        if not isinstance(getattr(mode, name), bool):
+            raise SPMDError(f"DataParallel: {name} must be True or False, got {getattr(mode, name)!r}")
+    for name in _SIZES_MB + ("first_bucket_cap_mb",):
+        v = getattr(mode, name)
+        if v is None and name != "first_bucket_cap_mb":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise SPMDError(f"DataParallel: {name} must be a number of MiB >= 0"
+                            f"{'' if name == 'first_bucket_cap_mb' else ' (or None)'}, got {v!r}")
+    for name in ("input_batch_dim", "dynamic_dims"):
+        v = getattr(mode, name)
+        leaves = pytree.tree_leaves(v)
+        bad = [x for x in leaves if x is not None and (isinstance(x, bool) or not isinstance(x, int))]
+        if bad:
+            raise SPMDError(
+                f"DataParallel: {name} must be an int, None, or a pytree shaped like the batch "
+                f"of ints and None; got {v!r} (holding {bad[0]!r}, a {type(bad[0]).__name__})")
+    if mode.param_init_fn is not None and not callable(mode.param_init_fn):
+        raise SPMDError(f"DataParallel: param_init_fn must be a callable fn(module) or None, got "
+                        f"{type(mode.param_init_fn).__name__}")
 
 
 def check_mesh(mode: DataParallel, mesh: Any) -> None:

@@ -51,6 +51,7 @@ from .parallel_mode import SHARDED_STYLES, DataParallel
 from .signature import StepSignature
 from .torch_internals import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 from .tracing import StepArgs, TracedStep, trace_step
+from . import guards
 
 log = logging.getLogger("spmd_compiler")
 
@@ -76,6 +77,7 @@ class BuildOptions:
     gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None
     rank_check: Callable[[], None] | None = None  # the per-call agreement the graph awaits
     dump_dir: str | None = None
+    lift: Any = None  # guards.LiftPolicy: the numbers the step reads to record as inputs
 
 
 @dataclass
@@ -127,9 +129,10 @@ class Program:
 
 def _trace(_, b: _Build) -> torch.fx.GraphModule:
     o = b.options
-    b.traced = trace_step(b.fn, (), {}, step_args=b.sa, fuse_optimizer=o.mode.fuse_optimizer,
-                          dynamic_dims=b.sa.dynamic_dims if o.dynamic_dims is None else o.dynamic_dims,
-                          mp_policy=o.mode.mp_policy, accumulation=o.accumulation)
+    b.traced = guards.record_lifting(o.lift, lambda lift: trace_step(
+        b.fn, (), {}, step_args=b.sa, fuse_optimizer=o.mode.fuse_optimizer,
+        dynamic_dims=b.sa.dynamic_dims if o.dynamic_dims is None else o.dynamic_dims,
+        mp_policy=o.mode.mp_policy, accumulation=o.accumulation, lift=lift))
     b.signature = b.traced.signature
     _log_specializations(b.traced, b.sa)
     return b.traced.gm

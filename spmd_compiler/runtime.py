@@ -586,6 +586,7 @@ class CompiledGraph:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
     summary: Any = None  # visualize.Summary of a program loaded from the disk cache
+    values: Any = None  # guards.ValueGuards: the Python values the step read, bound to live objects
 
     def __post_init__(self):
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
@@ -600,7 +601,12 @@ class CompiledGraph:
         return list(self.traced.signature.kept_grads)
 
     def guards_hold(self, inputs: list[torch.Tensor], hparams: list[float]) -> bool:
-        """Do this call's batch inputs and lifted hyperparameters fit the graph?"""
+        """Do this call's batch inputs, lifted hyperparameters and the Python values the step
+        read (``values``) fit the graph?"""
+        if self.values is not None:
+            if not self.values.hold():
+                return False
+            hparams = self.with_lifted(hparams)
         for i, value in self.traced.specialized_hparams:
             if hparams[i] != value:
                 return False
@@ -617,6 +623,12 @@ class CompiledGraph:
         # what ShapeEnv.evaluate_guards_expression does, with the expression compiled once
         return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(inputs)}}))
 
+    def with_lifted(self, hparams: list[float]) -> list:
+        """The learning rates, then the numbers the step reads that the graph takes as inputs."""
+        if self.values is None or not self.values.has_lifted:
+            return hparams
+        return hparams + self.values.lifted_values()
+
     def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
                  accumulated: dict[str, torch.Tensor] | None = None, agreement=None) -> Any:
         """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``.
@@ -626,7 +638,7 @@ class CompiledGraph:
         (``checks_ranks_inside``; consistency.agreement_in_flight)."""
         sig = self.traced.signature
         params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
-        flat = self._bind(sa, mesh, hparams, accumulated, params)
+        flat = self._bind(sa, mesh, self.with_lifted(hparams), accumulated, params)
         if self.checks_ranks_inside:
             flat.append(agreement)
         with communication_failures("the compiled step",

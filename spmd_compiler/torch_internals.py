@@ -451,7 +451,7 @@ class StepTracer(PythonKeyTracer):
         self._calls: dict[str, int] = {}
         self._formatted: dict[tuple, str] = {}
         self._skip = uninteresting_files()
-        self.code_seen: set = set()  # code objects on the stack of any recorded node
+        self.code_seen: dict = {}  # code object on the stack of any recorded node -> its globals
 
     def call_module(self, m, forward, args, kwargs):
         path = self._paths.get(id(m))
@@ -477,7 +477,8 @@ class StepTracer(PythonKeyTracer):
         seen = self.code_seen
         while frame is not None:
             code = frame.f_code
-            seen.add(code)
+            if code not in seen:
+                seen[code] = frame.f_globals
             if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
                     and code.co_filename not in self._skip:
                 frames.append((code.co_filename, frame.f_lineno, code.co_name))

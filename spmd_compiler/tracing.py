@@ -61,7 +61,7 @@ from .errors import (
 )
 from .trace_values import ReadConstantValues
 from .side_effects import step_constants, warn_value_reads, watch as watch_side_effects
-from . import replay
+from . import guards, replay
 from .mixed_precision import cast_forward
 from .accumulation import ACCUMULATE, accumulating
 from .signature import StepSignature, split_inputs
@@ -127,6 +127,9 @@ class TracedStep:
     # (input position, value) of unbatched inputs whose values the trace read (a mask passed in
     # and checked for causality): the graph is valid only for inputs equal to these
     specialized_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # the Python values the step read (spmd_compiler/guards.py): constants in the graph, guarded,
+    # or lifted (trailing hyperparameters, in order)
+    value_guards: list = field(default_factory=list)
     out_spec: pytree.TreeSpec = None
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
     # statements of the step run again after every call (spmd_compiler/replay.py)
@@ -361,10 +364,10 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
             opt.state = state
 
 
-def record(fn: Callable, module: torch.nn.Module, source_files: set[str] | None = None,
+def record(fn: Callable, module: torch.nn.Module, codes: dict | None = None,
            ) -> Callable[..., torch.fx.GraphModule]:
     """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
-    the path of the submodule of ``module`` they were recorded in. Adds to ``source_files`` every
+    the path of the submodule of ``module`` they were recorded in. Adds to ``codes`` every code
     Python file with code on the stack of a recorded node."""
     recorder = StepRecorder(module)
 
@@ -372,8 +375,8 @@ def record(fn: Callable, module: torch.nn.Module, source_files: set[str] | None 
         try:
             return recorder.trace(fn, *args)
         finally:
-            if source_files is not None and recorder.last_tracer is not None:
-                source_files.update(c.co_filename for c in recorder.last_tracer.code_seen)
+            if codes is not None and recorder.last_tracer is not None:
+                codes.update(recorder.last_tracer.code_seen)
 
     return run
 
@@ -389,7 +392,7 @@ def trace_step(
     fn: Callable, args: tuple, kwargs: dict | None = None, input_batch_dim: Any = 0,
     *, step_args: StepArgs | None = None, fuse_optimizer: bool = False,
     dynamic_dims: Mapping[int, Iterable[int]] | None = None, mp_policy=None,
-    accumulation: str | None = None,
+    accumulation: str | None = None, lift: list[tuple] = (),
 ) -> TracedStep:
     """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
 
@@ -399,7 +402,9 @@ def trace_step(
     ``MixedPrecisionPolicy``) the module's forward is recorded with its parameters, inputs and
     outputs cast as the policy says (spmd_compiler/mixed_precision.py). ``accumulation``
     (``ACCUMULATE`` / ``APPLY``, spmd_compiler/accumulation.py) records a step whose gradients
-    start from trailing gradient inputs (and, accumulating, end as trailing outputs).
+    start from trailing gradient inputs (and, accumulating, end as trailing outputs). ``lift``:
+    paths of Python numbers the step reads (spmd_compiler/guards.py) recorded as symbolic
+    numbers, lifted hyperparameters after the learning rates.
 
     The batch dim of every input is a symbolic size; so is every dim in ``dynamic_dims``
     (argument leaf index -> dims, e.g. a sequence length), each with its own symbol. A dynamic
@@ -415,7 +420,7 @@ def trace_step(
     dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
     entangled: list[tuple[int, int, str]] = []
     while True:
-        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation)
+        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation, lift)
         tied = _dims_tied_to_batch(traced, sa)
         if not tied:
             traced.entangled = entangled
@@ -545,8 +550,11 @@ class _StatelessStep:
     the recording found out (gradient nodes, created state, the outputs' structure) is kept."""
 
     def __init__(self, fn: Callable, sa: StepArgs, st: _ModuleState, counts: list[int],
-                 num_inputs: int, reads, fuse_optimizer: bool, mp_policy, accumulation):
+                 num_inputs: int, reads, fuse_optimizer: bool, mp_policy, accumulation,
+                 lifted: tuple = ((), {}, 0)):
         self.fn, self.sa, self.st, self.counts, self.num_inputs = fn, sa, st, counts, num_inputs
+        # (paths, roots, number of learning rates) of the numbers the step reads, lifted
+        self.lifted = lifted
         self.reads, self.fuse, self.mp_policy, self.accumulation = (
             reads, fuse_optimizer, mp_policy, accumulation)
         self.grad_nodes: dict[str, torch.fx.Node] = {}
@@ -579,6 +587,7 @@ class _StatelessStep:
             sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse
         ), self.reads, compiling_forward(sa.module), cast_forward(sa.module, self.mp_policy), \
                 accumulating(sa.optimizers, sa.module, list(zip(trainable, grads)), self.accumulation), \
+                guards.substituted(*self.lifted[:2], lifted[self.lifted[2]:]), \
                 watch_side_effects(self.fn, sa.module, sa.optimizers, step_constants(sa),
                                    user_line_here, into=self.changed):
             out = self.fn(*call_args, **call_kwargs)
@@ -613,7 +622,7 @@ class _StatelessStep:
         return new_states
 
 
-def _make_fx(step: _StatelessStep, fake_mode, args: list, source_files: set[str]) -> torch.fx.GraphModule:
+def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict) -> torch.fx.GraphModule:
     """Record ``step(*args)``; every failure becomes a TraceError (an UnsupportedError when it
     is in the optimizer's code)."""
     fn, sa = step.fn, step.sa
@@ -625,7 +634,7 @@ def _make_fx(step: _StatelessStep, fake_mode, args: list, source_files: set[str]
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, backed_size_oblivious(), \
                 faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution():
-            return record(step, sa.module, source_files)(*args)
+            return record(step, sa.module, codes)(*args)
     except SPMDError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a TraceError
@@ -645,7 +654,7 @@ def _make_fx(step: _StatelessStep, fake_mode, args: list, source_files: set[str]
 
 def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                  dynamic_dims: dict[int, tuple[int, ...]], mp_policy=None,
-                 accumulation: str | None = None) -> TracedStep:
+                 accumulation: str | None = None, lift: list[tuple] = ()) -> TracedStep:
     """One make_fx recording of the step (see ``trace_step``)."""
     st = _ModuleState.of(sa)
     shape_env = InputShapeEnv(specialize_zero_one=False)
@@ -667,6 +676,9 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     fake_buffers = [fake_static(b) for b in st.buffers]
     fake_states = [fake_static(v, st.owner(key)) for key, v in st.states]
     hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer)
+    lifted = (list(lift), guards.step_roots(fn, sa), len(hparams))
+    _lift_numbers(guards.lifted_numbers(lift, lifted[1]), shape_env, hparams, hparam_values,
+                  hparam_tensors)
     fake_inputs = _fake_inputs(fake_mode, sa, dynamic_dims)
     counts = [len(fake_params), len(fake_buffers), len(fake_states), len(hparams)]
     trainable = [p for p in st.params if p.requires_grad] if accumulation else []
@@ -674,10 +686,11 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                  enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
     reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
     step = _StatelessStep(fn, sa, st, counts, len(fake_inputs), reads, fuse_optimizer, mp_policy,
-                          accumulation)
-    source_files: set[str] = set()
+                          accumulation, lifted)
+    codes: dict = {}  # code objects that ran -> their globals
     gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
-                                    *fake_inputs, *[fake_static(p) for p in trainable]], source_files)
+                                    *fake_inputs, *[fake_static(p) for p in trainable]], codes)
+    value_guards, source_files = guards.collect(fn, sa, codes, list(lift))
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
         params=tuple(st.fqn_of[id(p)] for p in st.params),
@@ -700,11 +713,25 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         dynamic_dims=dynamic_dims,
         static_sizes=_static_sizes(fake_inputs, shape_env),
         specialized_dims=_specialized_dynamic_dims(shape_env, fake_inputs, sa, dynamic_dims),
-        source_files=sorted(f for f in source_files if not f.startswith("<")),
+        source_files=source_files,
+        value_guards=value_guards,
         out_spec=step.out_spec,
         out_constants=step.out_constants,
         replay=after_call,
     )
+
+
+def _lift_numbers(values: list, shape_env, hparams: list, hparam_values: list,
+                  hparam_tensors: list) -> None:
+    """Append the numbers the step reads that are recorded as inputs (spmd_compiler/guards.py)
+    to the lifted hyperparameters: a symbolic float or int each, bound as a Python number."""
+    for value in values:
+        src = ConstantSource(f"hparam_{len(hparams)}_value")
+        sym = shape_env.create_unspecified_symbol(value, src, dynamic_dim=DimDynamic.DYNAMIC)
+        make = shape_env.create_symfloatnode if isinstance(value, float) else shape_env.create_symintnode
+        hparams.append(make(sym, hint=value, source=src))
+        hparam_values.append(value)
+        hparam_tensors.append(False)
 
 
 def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_dims) -> None:
@@ -731,7 +758,8 @@ def _trainable(sa: StepArgs) -> set[str]:
 def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:
     """(index, value) of the lifted hyperparameters that the trace baked in as constants (an op
     that takes a plain float guarded on its value): the graph is valid only for those values."""
-    index = {h.node._expr: i for i, h in enumerate(hparams) if isinstance(h, torch.SymFloat)}  # unreplaced
+    index = {h.node._expr: i for i, h in enumerate(hparams)  # unreplaced
+             if isinstance(h, (torch.SymFloat, torch.SymInt))}
     baked = {index[s] for g in shape_env.guards for s in g.expr.free_symbols if s in index}
     return [(i, values[i]) for i in sorted(baked)]
 

@@ -239,6 +239,30 @@ def test_unknown_parallel_style():
     assert "'pipeline'" in str(ei.value) and "replicate" in str(ei.value)
 
 
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(input_batch_dim="0"), "input_batch_dim"),
+    (dict(input_batch_dim=(0, 1.0)), "input_batch_dim"),
+    (dict(input_batch_dim=True), "input_batch_dim"),
+    (dict(dynamic_dims=1.5), "dynamic_dims"),
+    (dict(dynamic_dims=[None, "seq"]), "dynamic_dims"),
+    (dict(bucket_cap_mb=-1), "bucket_cap_mb"),
+    (dict(prefetch_cap_mb="16"), "prefetch_cap_mb"),
+    (dict(first_bucket_cap_mb=float("nan")), "first_bucket_cap_mb"),
+    (dict(overlap=1), "overlap"),
+    (dict(keep_grads="yes"), "keep_grads"),
+    (dict(param_init_fn=3), "param_init_fn"),
+    (dict(parallel_style=None), "parallel_style"),
+])
+def test_data_parallel_checks_every_argument_when_constructed(kwargs, named):
+    with pytest.raises(SPMDError, match=named):
+        DataParallel(**kwargs)
+
+
+def test_data_parallel_accepts_pytrees_of_dims():
+    DataParallel(input_batch_dim=((0, None), {"mask": None, "ids": 1}), dynamic_dims=(1, None),
+                 bucket_cap_mb=None, prefetch_cap_mb=0, param_init_fn=lambda m: None)
+
+
 def test_errors_are_spmd_errors():
     for cls in (NoProcessGroupError, StepSignatureError, TraceError, MissingGradientError,
                 BatchDimError):

@@ -8,11 +8,13 @@ cache key holds no object identities, so this is what a restarted job sees.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import logging
 import os
 import sys
 from copy import deepcopy
+from datetime import timedelta
 
 import pytest
 import torch
@@ -54,6 +56,11 @@ def _train(step_fn, model, cache_dir, mode="replicate", steps=3, **options) -> d
         logger.setLevel(level)
 
 
+def _programs(cache_dir: str) -> list[str]:
+    """The program files in ``cache_dir`` (not its key)."""
+    return sorted(f for f in os.listdir(cache_dir) if f.endswith(".program"))
+
+
 def _fresh(cls=SimpleMLP):
     torch.manual_seed(0)
     return cls()
@@ -62,7 +69,7 @@ def _fresh(cls=SimpleMLP):
 def hit_and_miss_job(cache_dir: str, mode: str) -> dict:
     first = _train(train_step, _fresh(), cache_dir, mode)
     dist.barrier()  # every rank has written its files
-    files = sorted(os.listdir(cache_dir))
+    files = _programs(cache_dir)
     second = _train(train_step, _fresh(), cache_dir, mode)
     out = dict(first=(first["compiles"], first["hits"]), second=(second["compiles"], second["hits"]),
                files=len(files),
@@ -91,7 +98,7 @@ def test_second_run_loads_the_programs_and_trains_identically(pool2, tmp_path, m
 
 def bad_files_job(cache_dir: str) -> dict:
     _train(train_step, _fresh(), cache_dir)
-    paths = [os.path.join(cache_dir, f) for f in sorted(os.listdir(cache_dir))]
+    paths = [os.path.join(cache_dir, f) for f in _programs(cache_dir)]
     dist.barrier()
     if dist.get_rank() == 0:  # both ranks share the directory: damage every file once
         for k, path in enumerate(paths):
@@ -192,7 +199,7 @@ def ranks_disagree_job(cache_dir: str) -> dict:
     mine = os.path.join(cache_dir, f"rank{dist.get_rank()}")
     _train(train_step, _fresh(), mine)
     if dist.get_rank() == 1:
-        for f in os.listdir(mine):
+        for f in _programs(mine):
             os.remove(os.path.join(mine, f))
     dist.barrier()
     model = _fresh()
@@ -232,3 +239,204 @@ def test_key_ignores_process_specific_hashes_and_follows_values():
 
     assert key(_fresh(), 1.0) == key(_fresh(), 1.0)
     assert key(_fresh(), 1.0) != key(_fresh(), 2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values read at run time, rank agreement on the settings, trust, unusable files
+
+
+ARGS = argparse.Namespace(loss_weight=1.0)  # as parsed from the command line at run time
+SHIFT = 0.0  # a module-level value the model's forward reads
+
+
+def args_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = nn.functional.mse_loss(model(x), y) * ARGS.loss_weight
+    loss.backward()
+    optim.step()
+    return loss
+
+
+class ShiftMLP(SimpleMLP):
+    def forward(self, x):
+        return super().forward(x) + SHIFT
+
+
+class WeightedTrainer:
+    def __init__(self, weight):
+        self.weight = weight
+
+    def step(self, model, optim, batch):
+        optim.zero_grad()
+        x, y = batch
+        loss = nn.functional.mse_loss(model(x), y) * self.weight
+        loss.backward()
+        optim.step()
+        return loss
+
+
+def _variant(name: str, value: float):
+    """(step, model class) of variant ``name`` with its value set to ``value``."""
+    global SHIFT
+    if name == "argparse":
+        ARGS.loss_weight = value
+        return args_step, SimpleMLP
+    if name == "forward global":
+        SHIFT = value
+        return mse_step, ShiftMLP
+    return WeightedTrainer(value).step, SimpleMLP
+
+
+def values_across_runs_job(cache_dir: str) -> dict:
+    """Per variant: a run with the value at 1.0 stores its programs; a second run with the value
+    at 2.0 must not load them and must train exactly as without a cache; a third run loads the
+    programs the second one wrote."""
+    out = {}
+    for name in ("argparse", "forward global", "bound method"):
+        here = os.path.join(cache_dir, name.replace(" ", "_"))
+        try:
+            step, cls = _variant(name, 1.0)
+            _train(step, _fresh(cls), here)
+            dist.barrier()
+            step, cls = _variant(name, 2.0)
+            second = _train(step, _fresh(cls), here)
+            reference = _train(step, _fresh(cls), None)
+            third = _train(step, _fresh(cls), here)
+            out[name] = dict(
+                second_hits=second["hits"], third_hits=third["hits"],
+                exact=all(torch.equal(second["params"][n], reference["params"][n])
+                          for n in reference["params"]))
+        finally:
+            _variant(name, 0.0 if name == "forward global" else 1.0)
+    return out
+
+
+def test_values_set_at_run_time_are_part_of_the_key(pool2, tmp_path):
+    for rank, res in enumerate(pool2.run(values_across_runs_job, str(tmp_path), timeout=600)):
+        for name, r in res.items():
+            assert r["second_hits"] == 0, f"rank {rank}, {name}: a program of the old value loaded"
+            assert r["exact"], f"rank {rank}, {name}: {r}"
+            assert r["third_hits"] == 2, f"rank {rank}, {name}: {r}"
+
+
+def settings_differ_job(cache_dir: str, setting: str) -> dict:
+    """The cache on one rank only (``SPMD_CACHE_DIR``, or ``SPMD_DUMP_DIR`` on the other rank),
+    over a process group whose collectives time out after 20 s: both ranks train, the cache off
+    on both, with a warning naming the setting; no hang, no timeout."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = DeviceMesh.from_group(dist.new_group(timeout=timedelta(seconds=20)), "cpu")
+    variable = "SPMD_CACHE_DIR" if setting == "cache" else "SPMD_DUMP_DIR"
+    if dist.get_rank() == 1:
+        os.environ[variable] = os.path.join(cache_dir, f"rank{dist.get_rank()}")
+    warnings = _Messages()
+    logging.getLogger("spmd_compiler").addHandler(warnings)
+    try:
+        torch.manual_seed(0)
+        model = SimpleMLP()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        cache = None if setting == "cache" else os.path.join(cache_dir, "shared")
+        step = spmd_compile(DataParallel("replicate"), mesh=mesh, cache_dir=cache)(train_step)
+        for i in range(3):
+            step(model, opt, rank_data(300 + i, (8, 50), (8, 8)))
+        return dict(compiles=step.compile_count, hits=step.cache_hits,
+                    warned=[m for m in warnings.lines if variable in m and "off on every rank" in m])
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return dict(error=f"{type(e).__name__}: {e}")
+    finally:
+        os.environ.pop(variable, None)
+        logging.getLogger("spmd_compiler").removeHandler(warnings)
+
+
+@pytest.mark.parametrize("setting", ["cache", "dump"])
+def test_cache_settings_that_differ_across_ranks_turn_it_off_everywhere(pool2, tmp_path, setting):
+    for rank, res in enumerate(pool2.run(settings_differ_job, str(tmp_path), setting, timeout=120)):
+        assert "error" not in res, f"rank {rank}: {res}"
+        assert res["compiles"] == 2 and res["hits"] == 0, f"rank {rank}: {res}"
+        assert res["warned"], f"rank {rank}: no warning naming the setting: {res}"
+
+
+class _Planted:
+    """Unpickling this runs ``open(path, "w")``: what a planted file could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def planted_files_job(cache_dir: str) -> dict:
+    """A safe directory whose program files someone without the user's key replaced (a pickle
+    that runs code, with a correct sha256): refused without being unpickled, ignored, compiled
+    and rewritten; a world-writable directory is not used at all."""
+    import hashlib
+    import pickle
+
+    from spmd_compiler import cache
+
+    marker = os.path.join(cache_dir, "ran-planted-code")
+    _train(train_step, _fresh(), cache_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for name in _programs(cache_dir):
+            payload = pickle.dumps(_Planted(marker))
+            with open(os.path.join(cache_dir, name), "wb") as f:
+                f.write(b"spmd-compiler-program\n")
+                f.write(f"{cache.FORMAT} {hashlib.sha256(payload).hexdigest()}\n".encode())
+                f.write(payload)
+    dist.barrier()
+    planted = _train(train_step, _fresh(), cache_dir)
+    again = _train(train_step, _fresh(), cache_dir)
+    out = dict(planted_hits=planted["hits"], ran=os.path.exists(marker), again_hits=again["hits"],
+               refused=sum("refused" in m for m in planted["log"]))
+    shared = os.path.join(cache_dir, "shared")
+    os.makedirs(shared, exist_ok=True)
+    dist.barrier()
+    os.chmod(shared, 0o777)
+    open_dir = _train(train_step, _fresh(), shared)
+    out.update(open_dir_files=len(_programs(shared)),
+               open_dir_warned=any("cannot be trusted" in m for m in open_dir["log"]))
+    return out
+
+
+def test_planted_files_are_refused_without_running_them(pool2, tmp_path):
+    for rank, res in enumerate(pool2.run(planted_files_job, str(tmp_path), timeout=300)):
+        assert not res["ran"], f"rank {rank}: a planted file's code ran: {res}"
+        assert res["planted_hits"] == 0 and res["again_hits"] == 2, f"rank {rank}: {res}"
+        assert res["refused"] == (0 if rank else 2), f"rank {rank}: {res}"  # logged on rank 0
+        assert res["open_dir_files"] == 0 and res["open_dir_warned"], f"rank {rank}: {res}"
+
+
+def unusable_program_job(cache_dir: str) -> dict:
+    """Files signed with the user's key whose program cannot be used (code that does not
+    compile): ignored on every rank, compiled, rewritten; never a raw error."""
+    from spmd_compiler import cache
+
+    _train(train_step, _fresh(), cache_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for name in _programs(cache_dir):
+            key = name[: -len(".program")]
+            program = cache.load(cache_dir, key)
+            program.code = "def forward(self, *args):\n    return ("
+            cache.store(cache_dir, program)
+    dist.barrier()
+    try:
+        bad = _train(train_step, _fresh(), cache_dir)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return dict(error=f"{type(e).__name__}: {e}")
+    reference = _train(train_step, _fresh(), None)
+    again = _train(train_step, _fresh(), cache_dir)
+    return dict(bad_hits=bad["hits"], again_hits=again["hits"],
+                exact=all(torch.equal(bad["params"][n], reference["params"][n])
+                          for n in reference["params"]))
+
+
+def test_unusable_program_is_ignored_and_rewritten(pool2, tmp_path):
+    for rank, res in enumerate(pool2.run(unusable_program_job, str(tmp_path), timeout=300)):
+        assert "error" not in res, f"rank {rank}: {res}"
+        assert res["bad_hits"] == 0 and res["exact"] and res["again_hits"] == 2, f"rank {rank}: {res}"

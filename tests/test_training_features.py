@@ -387,3 +387,43 @@ def test_no_sync_accumulates_across_calls(pool, style, mixed, record_property):
         # accumulate and apply with a fresh optimizer (apply creates Adam's state), then both
         # again with the optimizer's state as inputs; none after that
         assert rep["compiles"] == 4, rep
+
+
+def two_models_no_sync_job() -> dict:
+    """Two models trained through one compiled step, interleaved: inside ``no_sync()`` a call
+    for A, then one for B, then one each outside. Each model's accumulated gradients are its
+    own (against a DDP model each)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler import DataParallel, spmd_compile
+    from tests.test_replicate import compare_with_ddp
+
+    compiled = spmd_compile(DataParallel("replicate"))(mse_step)
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = SimpleMLP()
+        ref = DDP(deepcopy(model))
+        runs.append((model, torch.optim.SGD(model.parameters(), lr=LR), ref,
+                     torch.optim.SGD(ref.parameters(), lr=LR)))
+    chk = ParityChecker(1e-5, 1e-6)
+    for i in range(2):
+        for _, _, _, ref_opt in runs:
+            ref_opt.zero_grad()
+        for k in range(2):
+            skip = k == 0
+            for m, (model, opt, ref, _) in enumerate(runs):
+                x, y = rank_data(700 + 10 * i + 3 * k + m, (BATCH, 50), (BATCH, 8))
+                with compiled.no_sync() if skip else contextlib.nullcontext():
+                    compiled(model, opt, (x.clone(), y.clone()))
+                with ref.no_sync() if skip else contextlib.nullcontext():
+                    torch.nn.functional.mse_loss(ref(x), y).backward()
+        for m, (model, opt, ref, ref_opt) in enumerate(runs):
+            ref_opt.step()
+            compare_with_ddp(chk, f"model {m} update {i}", model, opt, ref.module, ref_opt)
+    return dict(problems=chk.problems)
+
+
+def test_no_sync_gradients_belong_to_their_model(pool2):
+    for rank, rep in enumerate(pool2.run(two_models_no_sync_job, timeout=600)):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
