@@ -54,7 +54,7 @@ from torch.distributed.tensor.placement_types import (
 )
 from torch.fx.operator_schemas import normalize_function
 
-from .meta import INPUT_BATCH_DIM, LOCAL_SHARD, PLACEMENT, ROLE, Role
+from .meta import INPUT_BATCH_DIM, LOCAL_SHARD, MODEL_PARALLEL, PLACEMENT, ROLE, Role
 
 __all__ = ["PlacementError", "annotate_placements"]
 
@@ -240,6 +240,8 @@ class _Analysis:
             return parent[node.args[1]] if isinstance(parent, list) else None
         name = _op_name(node.target)
         val = node.meta.get("val")
+        if node.meta.get(MODEL_PARALLEL) is not None:
+            return self.model_parallel(node, name, val)
         if getattr(node.target, "namespace", None) == _COLLECTIVE_NS:
             return self.collective(node, name, val)
         if name.startswith(("_foreach_", "_fused_")):
@@ -434,6 +436,22 @@ class _Analysis:
             outs = [x.meta["val"] for x in node.args[0]]
         return [self.output(node, name, out, self.inputs(node, ([lst[i] for lst in lists], others)))
                 for i, out in enumerate(outs)]
+
+    def model_parallel(self, node, name, val):
+        """A collective the step itself issues (DTensor's, over a tensor-parallel group): over
+        the data-parallel dims every rank runs it on its own data, as a local op. A result with
+        a batch dim is batch-sharded there; anything else keeps its input's placement."""
+        if name == "wait_tensor":
+            return self.env[node.args[0]]
+
+        def one(v, p):
+            dims = self.batch_dims(v)
+            return Shard(dims[0]) if dims else p
+
+        ins = self.inputs(node, node.args)
+        if isinstance(val, (list, tuple)):
+            return [one(v, p) for v, (_, p) in zip(val, ins)]
+        return one(val, ins[0][1])
 
     def collective(self, node, name, val):
         """Functional collectives: all_reduce makes Partial data Replicate (and keeps a parameter

@@ -89,7 +89,7 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
     if shard:
         sharded = shard_parameters(gm, group_name=shard[0].group_name, world_size=shard[0].size,
                                    reshard_after_forward=reshard_after_forward)
-    if sync_grads:
+    if sync_grads and layout:  # no data-parallel dim (tensor parallelism alone): nothing to average
         per_micro_batch = _accumulation_choice(gm, layout, sharded, accumulate_cap_bytes)
         for grad, parts in per_micro_batch.items():
             reduce_scatter_parts(graph, grad, parts, shard[0].size, shard[0].group_name,

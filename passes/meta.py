@@ -39,6 +39,10 @@ INPUT_BATCH_DIM = "spmd_input_batch_dim"  # int | None: the batch dim of an INPU
 # their symbols, unlike the batch dim's, mark no sharding
 INPUT_DYNAMIC_DIMS = "spmd_input_dynamic_dims"
 
+# Written by the tracer: str, the process group of a collective the step itself issues (DTensor's,
+# over a tensor-parallel group). Over the data-parallel dims every rank runs it on its own data.
+MODEL_PARALLEL = "spmd_model_parallel"
+
 # Written by passes/batch_dim.py (placement propagation).
 # Placement for a tensor; list[Placement | None] for a multi-output node or a void foreach/fused
 # in-place op (one per list index); None for non-tensors. Shard(d) | Replicate() | Partial("avg");

@@ -37,6 +37,7 @@ from .eager import attach as attach_eager_use, refuse_bound
 from .errors import NoProcessGroupError, SPMDError
 from .mixed_precision import check_policy
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
+from .tensor_parallel import DataParallelDims, graph_inputs, has_plan
 from .pipeline import BuildOptions, build_program, dump_dir_for_compile, info
 from .subclass_params import extension_key, shard_context
 from .replay import run_after
@@ -70,6 +71,8 @@ class CompiledStep:
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
                  check_ranks: bool = True, retain_host_memory: bool = True,
                  cache_dir: str | None = None, mesh=None):
+        self._data_mesh = DataParallelDims(parallel_mode)  # (mesh, step args) -> dims left to dp
+        parallel_mode = self._data_mesh.mode  # none given: replicate, or a plan over every dim alone
         _check_options(parallel_mode, backend, mesh)
         functools.update_wrapper(self, fn)
         self.fn, self.parallel_mode, self.backend = fn, parallel_mode, backend
@@ -105,12 +108,13 @@ class CompiledStep:
             sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims)
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
-                group = mesh_group(self._mesh(_device_of(args, kwargs)))
+                group = mesh_group(_step_mesh(self.mesh, _device_of(args, kwargs)))
                 agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
             raise
-        mesh = self._mesh(module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
+        device = module_device(sa.module, [sa.leaves[i] for i in sa.input_indices])
+        mesh = _step_mesh(self.mesh, device)
         key = self._step_key(sa)
-        inputs = [sa.leaves[i] for i in sa.input_indices]
+        inputs, dp_mesh = graph_inputs(sa), self._data_mesh(mesh, sa)
         hparams = lifted_hparams(sa)
         fits = [k for k, e in enumerate(self._programs)
                 if e.static_key == key and e.guards_hold(inputs, hparams)]
@@ -127,7 +131,7 @@ class CompiledStep:
                                               running=choice)
                 try:
                     with torch.no_grad(), agreement_in_flight(pending) as agreement:
-                        out = self._programs[choice](sa, mesh, hparams, self._kept.grads,
+                        out = self._programs[choice](sa, dp_mesh, hparams, self._kept.grads,
                                                      agreement)
                     run_after(self.fn, self._programs[choice].traced.replay, sa)
                     return out
@@ -139,19 +143,9 @@ class CompiledStep:
                                            len(self._programs))
         entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
         with torch.no_grad():
-            out = entry(sa, mesh, hparams, self._kept.grads)
+            out = entry(sa, dp_mesh, hparams, self._kept.grads)
         run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
         return out
-
-    def _mesh(self, device: torch.device):
-        """The step's mesh: the one given, else the 1-D mesh over the default group."""
-        if self.mesh is None:
-            return default_mesh(device)
-        if self.mesh.get_coordinate() is None:
-            raise SPMDError(
-                f"rank {dist.get_rank()} is not in the mesh the step was compiled for "
-                f"({self.mesh}); call the compiled step only on the mesh's ranks")
-        return self.mesh
 
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
         """Build the program (or load it from the disk cache), check that every rank has the
@@ -185,7 +179,7 @@ class CompiledStep:
     def _install(self, sa: StepArgs, mesh, ready: "_Ready") -> CompiledGraph:
         """Place the live state for the program and keep it as the newest."""
         start = time.perf_counter()
-        _place_live_state(sa, mesh, self.parallel_mode, self.retain_host_memory)
+        _place_live_state(sa, self._data_mesh(mesh, sa), self.parallel_mode, self.retain_host_memory)
         self._last_key = key = self._step_key(sa)
         entry = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, key, ready.seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager",
@@ -204,7 +198,8 @@ class CompiledStep:
             info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, _why))
         if why:
             info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
-        program = build_program(self.fn, sa, build_options(self, mesh_dims(mesh), dynamic, mesh))
+        program = build_program(self.fn, sa, build_options(
+            self, self._data_mesh.dims(mesh, sa), dynamic, self._data_mesh(mesh, sa)))
         return _Ready(program.final_traced, program.runnable, program.guard_code, program.seconds,
                       describe_graph(program.gm), len(program.gm.graph.nodes))
 
@@ -233,6 +228,17 @@ def build_options(step: CompiledStep, dims: list[tuple[str, int]], dynamic=None,
                         shard=shard_context(step.parallel_mode, mesh, dims))
 
 
+def _step_mesh(mesh, device: torch.device):
+    """The step's mesh: the one given, else the 1-D mesh over the default group."""
+    if mesh is None:
+        return default_mesh(device)
+    if mesh.get_coordinate() is None:
+        raise SPMDError(
+            f"rank {dist.get_rank()} is not in the mesh the step was compiled for "
+            f"({mesh}); call the compiled step only on the mesh's ranks")
+    return mesh
+
+
 def _require_process_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise NoProcessGroupError(
@@ -254,13 +260,18 @@ def _check_options(parallel_mode, backend: str, mesh) -> None:
 
 
 def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> None:
-    """Parameters, buffers and optimizer state placed on ``mesh`` for the program's style."""
+    """Parameters, buffers and optimizer state placed on ``mesh`` (the data-parallel dims) for
+    the program's style; with a tensor-parallel plan over every dim (``mesh`` None) the plan
+    placed everything."""
     if retain:
         retain_host_memory()
+    if mesh is None:
+        return
     place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
                 mode.param_init_fn, torch.device(mesh.device_type))
-    attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
-    saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
+    if not has_plan(sa.module):  # model(x), generate(), load_state_dict, saving outside the step
+        attach_eager_use(sa.module, mesh)
+        saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
 
 
 def _write_summaries(entry: CompiledGraph, dump_dir: str | None, index: int) -> None:
@@ -314,7 +325,7 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
         train_step, parallel_mode or DataParallel("replicate"), dump_dir=dump_dir)
     mesh = None
     if dist.is_available() and dist.is_initialized():
-        mesh = step._mesh(torch.device("cpu"))
+        mesh = _step_mesh(step.mesh, torch.device("cpu"))
         dims = mesh_dims(mesh)
     elif step.parallel_mode.parallel_style == "hybrid_shard":
         shape = world_size if isinstance(world_size, tuple) else (max(1, (world_size or 4) // 2), 2)
@@ -445,14 +456,16 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             sub-group, or one dim of a larger mesh: ``mesh["dp"]``); hybrid_shard a 2-D mesh,
             ``(replicate, shard)`` (``mesh_dim_names`` required): parameters are sharded over the
             inner dim and replicated over the outer. Only the mesh's ranks call the step.
-            Default: a 1-D mesh over the whole default process group.
+            Default: a 1-D mesh over the whole default process group. With a tensor-parallel
+            plan (``parallelize_module`` over ``mesh["tp"]``) data parallelism runs over the
+            dims the plan leaves; without ``parallel_mode`` a plan over the whole mesh runs
+            alone (docs/tensor_parallel.md).
     """
-    mode = parallel_mode or DataParallel("replicate")
     if mesh is not None:
-        check_mesh(mode, mesh)
+        check_mesh(parallel_mode or DataParallel("replicate"), mesh)
 
     def decorate(fn: Callable) -> CompiledStep:
-        return CompiledStep(fn, mode, backend=backend, dump_dir=dump_dir,
+        return CompiledStep(fn, parallel_mode, backend=backend, dump_dir=dump_dir,
                             gm_transformation=gm_transformation, check_ranks=check_ranks,
                             retain_host_memory=retain_host_memory, cache_dir=cache_dir, mesh=mesh)
 

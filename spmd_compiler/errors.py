@@ -42,3 +42,9 @@ class InitializationError(SPMDError):
 class MixedPrecisionError(SPMDError):
     """A mixed-precision policy that is not one, or that the process group's backend cannot
     honour (a dtype it cannot gather or reduce)."""
+
+
+class TensorParallelError(SPMDError):
+    """A tensor-parallel plan that does not fit the step: its mesh is not a dim of the step's
+    mesh, it leaves no dim to the DataParallel asked for, or it is on a module the step never
+    calls."""

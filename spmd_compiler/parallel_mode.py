@@ -193,7 +193,9 @@ def check_mesh(mode: DataParallel, mesh: Any) -> None:
                         f"got {type(mesh).__name__}")
     style = mode.parallel_style
     want = 2 if style == "hybrid_shard" else 1
-    if mesh.ndim != want:
+    # a larger mesh with named dims may hold tensor-parallel dims: the dims left to data
+    # parallelism are checked again at the first call (spmd_compiler/tensor_parallel.py)
+    if mesh.ndim != want and not (mesh.ndim > want and mesh.mesh_dim_names):
         hint = ("a 2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (nodes, per_node), "
                 "mesh_dim_names=('replicate', 'shard'))" if want == 2 else
                 "a 1-D mesh; pass one dim of a larger mesh, e.g. mesh['dp']")

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 
+from . import tensor_parallel as tp
 from .torch_internals import dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
 from .signature import StepSignature
@@ -133,21 +134,28 @@ def layout_for(t: torch.Tensor, fully_shard: bool, world: int) -> Layout:
 def to_dtensor(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> tuple[DTensor, torch.Tensor]:
     """Make a DTensor of ``full`` with ``layout``; return it and the padded local buffer that the
     compiled graph reads and updates in place."""
+    local, buffer = padded_rows(full, layout, mesh)
     if not layout.sharded:
-        local = full.detach()
         return DTensor.from_local(local, mesh, param_placements(mesh, False), run_check=False), local
+    dt = DTensor.from_local(
+        local, mesh, param_placements(mesh, True), run_check=False, shape=torch.Size(layout.shape),
+        stride=full.stride() if full.is_contiguous() else None,
+    )
+    return dt, buffer
+
+
+def padded_rows(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of ``full`` under ``layout`` and the padded buffer they head (both
+    ``full`` itself, detached, when the layout does not shard)."""
+    if not layout.sharded:
+        return full.detach(), full.detach()
     rank = mesh.get_local_rank(shard_dim(mesh))
     buffer = full.new_zeros(layout.padded_shape())
     start = rank * layout.rows
     valid = layout.valid_rows(rank)
     if valid:
         buffer[:valid].copy_(full.detach()[start:start + valid])
-    local = buffer[:valid]
-    dt = DTensor.from_local(
-        local, mesh, param_placements(mesh, True), run_check=False, shape=torch.Size(layout.shape),
-        stride=full.stride() if full.is_contiguous() else None,
-    )
-    return dt, buffer
+    return buffer[:valid], buffer
 
 
 def local_buffer(dt: torch.Tensor) -> torch.Tensor:
@@ -162,7 +170,7 @@ def ensure_padded(t: Any, mesh: DeviceMesh) -> Any:
     Optimizer state loaded from a checkpoint arrives as new DTensors without one; such a state
     is re-made (same values) on a padded buffer. Anything else is returned as is.
     """
-    if not is_sharded(t) or t.dim() == 0:
+    if not is_sharded(t) or t.dim() == 0 or tp.plan_of(t) is not None:
         return t
     layout = layout_for(t, True, shard_size(mesh))
     buffer, local = local_buffer(t), local_tensor(t)
@@ -194,6 +202,7 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     on the meta device are materialized on ``device`` first (``materialize_meta``).
     """
     world = shard_size(mesh)
+    tp.note_data_parallel_mesh(mesh)
     seen: dict[int, torch.nn.Parameter] = {}
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         if any(opt.state.get(p) for opt in optimizers for p in module.parameters() if p.is_meta):
@@ -203,6 +212,7 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
                 "the model.")
         seen.update(materialize_meta(module, mesh, fully_shard, init_fn,
                                      device or torch.device("cpu")))
+    seen.update(_place_planned(module, mesh, fully_shard))
     plain = []
     for _, sub in module.named_modules(remove_duplicate=False):
         for name, p in list(sub._parameters.items()):
@@ -233,6 +243,30 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
             if p is not None and seen.get(id(p)) is not None:
                 sub._parameters[name] = seen[id(p)]
     _rekey_optimizers(optimizers, seen, mesh)
+
+
+def _place_planned(module: torch.nn.Module, mesh: DeviceMesh, fully_shard: bool) -> dict:
+    """Stack the data-parallel layout on the tensor-parallel parameters not yet placed: their
+    local shards become ``Shard(0)`` rows (padded buffers) or replicas over ``mesh`` (the
+    data-parallel dims), DTensors on the whole mesh (spmd_compiler/tensor_parallel.py). The
+    first data-parallel rank's values win. Returns {old id: new parameter}, swapped in."""
+    placed: dict[int, torch.nn.Parameter] = {}
+    todo = [p for p in module.parameters() if tp.plan_of(p) is not None
+            and getattr(p, "_spmd_plan", None) is None]
+    broadcast_from_first([local_tensor(p).detach() for p in todo], mesh)
+    for p in todo:
+        plan = tp.plan_of(p)
+        layout = Layout(plan.local_shape, fully_shard and len(plan.local_shape) > 0, shard_size(mesh))
+        local, buffer = padded_rows(local_tensor(p), layout, mesh)
+        new = torch.nn.Parameter(tp.planned_dtensor(local, plan, mesh, layout.sharded),
+                                 requires_grad=p.requires_grad)
+        new._spmd_buffer, new._spmd_plan = buffer, plan
+        placed[id(p)] = new
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for name, p in list(sub._parameters.items()):
+            if p is not None and id(p) in placed:
+                sub._parameters[name] = placed[id(p)]
+    return placed
 
 
 def _rekey_optimizers(optimizers, seen: dict, mesh: DeviceMesh) -> None:
@@ -498,10 +532,13 @@ def whole_states(optimizers: list[torch.optim.Optimizer], plain: list[torch.Tens
                     st[k] = v.full_tensor() if is_sharded(v) else v._local_tensor
 
 
-def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """Wrap a state tensor the compiled graph created (padded local shard or whole) like ``param``."""
     if not isinstance(param, DTensor) or buffer.dim() == 0:
         return buffer
+    plan = tp.plan_of(param)
+    if plan is not None:
+        return _planned_state(buffer, param, plan, mesh)
     if is_sharded(param):
         layout = layout_for(param, True, shard_size(mesh))
         if tuple(buffer.shape) != layout.padded_shape():
@@ -513,6 +550,17 @@ def state_from_local(buffer: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh
     if tuple(buffer.shape) != tuple(param.shape):
         return buffer
     return DTensor.from_local(buffer, mesh, param.placements, run_check=False)
+
+
+def _planned_state(buffer: torch.Tensor, param: DTensor, plan: "tp.Plan",
+                   mesh: DeviceMesh | None) -> torch.Tensor:
+    """A state the graph created for a tensor-parallel parameter, placed like the parameter."""
+    sharded = mesh is not None and tp.dp_sharded(param, mesh)
+    layout = Layout(plan.local_shape, sharded, shard_size(mesh) if mesh is not None else 1)
+    if tuple(buffer.shape) != layout.padded_shape():
+        return buffer
+    local = buffer[: layout.valid_rows(mesh.get_local_rank(shard_dim(mesh)))] if sharded else buffer
+    return _attach(tp.planned_dtensor(local, plan, mesh, sharded), buffer)
 
 
 def grad_like(g: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -634,7 +682,7 @@ class CompiledGraph:
                  for x in inner_tensors(local_buffer(state_of[id(params[n])][k]))]
         flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
                  for v, as_tensor in zip(hparams, sig.hparams)]
-        flat += [sa.leaves[i] for i in sa.input_indices]
+        flat += tp.graph_inputs(sa)
         if sig.grads_in:
             flat += [accumulated[n] if n in accumulated else torch.zeros(
                 params[n].shape, dtype=params[n].dtype, device=local_buffer(params[n]).device)

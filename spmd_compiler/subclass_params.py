@@ -486,15 +486,17 @@ class Recording:
     new_state_flats: tuple = ()
 
     @staticmethod
-    def of(named: dict[str, torch.Tensor], states: list, fake_plain, shard) -> tuple:
+    def of(named: dict[str, torch.Tensor], states: list, fake_plain, shard,
+           leaf=lambda p: p.requires_grad) -> tuple:
         """The Recording and the fakes of ``named`` parameters (placeholder order) and of the
-        ``states`` tensors (one list per tensor, a fake per inner tensor)."""
+        ``states`` tensors (one list per tensor, a fake per inner tensor). ``leaf(p)``: whether a
+        plain parameter's placeholder is the leaf that requires grad."""
         rec = Recording(Unflattened(), hooked_parameters(named, shard is not None), shard)
         fake_params = []
         for p in named.values():
             fakes = rec.unflat.fakes(p, fake_plain)
             if rec.unflat.flats[-1] is None:  # a subclass's requires_grad goes on the rebuilt one
-                fakes[0].requires_grad_(p.requires_grad)
+                fakes[0].requires_grad_(leaf(p))
             fake_params += fakes
         fake_states = [f for v in states for f in rec.unflat.fakes(v, fake_plain)]
         return rec, fake_params, fake_states

@@ -526,3 +526,77 @@ class InputShapeEnv(ShapeEnv):
     def where_replaced(self, symbols) -> str:
         lines = [self.replaced_at[s] for s in sorted(symbols, key=str) if s in self.replaced_at]
         return lines[0] if lines else "<unknown location>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (spmd_compiler/tensor_parallel.py, halo_conv.py): DTensor's internals
+
+
+def dtensor_from_spec(local: torch.Tensor, spec, requires_grad: bool = False) -> torch.Tensor:
+    """The DTensor of ``spec`` (a DTensorSpec) around ``local``, without a collective or autograd
+    node (``from_local`` is an autograd function)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's ``_StridedShard``: a shard of a dim another mesh dim already split."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_dim_shard(p) -> bool:
+    """``Shard`` or ``_StridedShard``."""
+    from torch.distributed.tensor import Shard
+
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def shards_of_dim(spec, dim: int) -> int:
+    """Into how many pieces the mesh splits dim ``dim`` of a DTensorSpec's tensor."""
+    return spec.num_shards_map[dim]
+
+
+def concatenate_meshes(meshes: list):
+    """One DeviceMesh of the dims of ``meshes`` (FSDP2's way to stack dp on a TP mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
+
+
+def dtensor_has_rule(op) -> bool:
+    """Does DTensor's sharding propagator have a rule or strategy for ``op``?"""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return any(op in table for table in (
+        prop.op_strategy_funcs, prop.op_to_rules, prop.op_single_dim_strategy_funcs))
+
+
+def tensor_hooks(t: torch.Tensor) -> list[Callable]:
+    """The hooks ``t.register_hook`` registered on a leaf tensor."""
+    return list((getattr(t, "_backward_hooks", None) or {}).values())
+
+
+@contextlib.contextmanager
+def dtensor_op_handlers(handlers: dict):
+    """DTensor's dispatch of the ops in ``handlers`` (op -> ``fn(op, args, kwargs, torch_own)``)
+    replaced inside the block; ``torch_own`` is DTensor's own handler of the op."""
+    from torch.distributed.tensor import DTensor
+
+    table = DTensor._op_dispatcher._custom_op_handlers
+    saved = {op: table.get(op) for op in handlers}
+    for op, fn in handlers.items():
+        table[op] = functools.partial(_dispatch_to, fn, saved[op])
+    try:
+        yield
+    finally:
+        for op, own in saved.items():
+            if own is None:
+                table.pop(op, None)
+            else:
+                table[op] = own
+
+
+def _dispatch_to(fn, own, op, args, kwargs):
+    return fn(op, args, kwargs, own)

@@ -66,6 +66,8 @@ from .mixed_precision import cast_forward
 from . import subclass_params as subclasses
 from .accumulation import ACCUMULATE, accumulating
 from .signature import StepSignature, split_inputs
+from . import tensor_parallel as tp
+from .halo_conv import halo_convolution
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -301,6 +303,8 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
     """
     if type(opt) not in FUSABLE_OPTIMIZERS or group.get("differentiable") or group.get("capturable"):
         return False
+    if tp.refuses_fusing(opt, group["params"]):  # a tensor-parallel plan's parameters
+        return False
     if group.get("fused"):
         return True
     devices = _get_fused_kernels_supported_devices()
@@ -341,7 +345,7 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
     def on_grad(fqn):
         def hook(t):
             mode = get_proxy_mode()
-            node = get_proxy_slot(subclasses.plain_grad(t), mode.tracer).proxy.node
+            node = get_proxy_slot(tp.local_of(subclasses.plain_grad(t)), mode.tracer).proxy.node
             grad_nodes[fqn] = node
 
         return hook
@@ -378,9 +382,11 @@ def record(fn: Callable, module: torch.nn.Module, codes: dict | None = None,
     return run
 
 
-def _global_meta(t: torch.Tensor):
-    """(shape, dtype, device) of a tensor; for a DTensor the global (logical) ones."""
-    return tuple(t.shape), t.dtype, t.device
+def _global_meta(t: torch.Tensor, owner: torch.Tensor | None = None):
+    """(shape, dtype, device) of a tensor (an optimizer state of parameter ``owner``) as the
+    graph holds it: for a DTensor placed by data parallelism the global (logical) ones; for a
+    tensor-parallel one its local shard's shape."""
+    return tp.traced_shape(t, owner), t.dtype, t.device
 
 
 def trace_step(
@@ -507,6 +513,10 @@ class _ModuleState:
         return _ModuleState(named_params, named_buffers, params, buffers, fqn_of, buffer_fqn_of,
                             states)
 
+    def owner(self, key: tuple[str, str]) -> torch.Tensor:
+        """The parameter an optimizer state (``(param fqn, state name)``) belongs to."""
+        return next(p for p in self.params if self.fqn_of[id(p)] == key[0])
+
 
 def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool):
     """The lifted hyperparameters (``lr`` of each param group) as graph inputs: (fake values,
@@ -565,6 +575,10 @@ class _StatelessStep:
         params, buffers, states, lifted, inputs = split_inputs(flat, self.counts)
         params, states = self.subclasses.rebuild(params, st.params, states)
         inputs, grads = inputs[:self.num_inputs], inputs[self.num_inputs:]
+        # tensor-parallel parameters, states and inputs: DTensors around their local shards
+        params = [tp.as_planned(fp, p) for fp, p in zip(params, st.params)]
+        states = [tp.as_planned(fs, v, st.owner(key)) for fs, (key, v) in zip(states, st.states)]
+        inputs = [tp.input_as_planned(fi, sa.leaves[i]) for fi, i in zip(inputs, sa.input_indices)]
         leaves = list(sa.leaves)
         for i, t in zip(sa.input_indices, inputs):
             leaves[i] = t
@@ -597,7 +611,7 @@ class _StatelessStep:
             j: v for j, v in enumerate(out_leaves)
             if not isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
         }
-        traced_out = [v for j, v in enumerate(out_leaves) if j not in self.out_constants]
+        traced_out = [tp.local_of(v) for j, v in enumerate(out_leaves) if j not in self.out_constants]
         self.num_outputs = len(traced_out)
         return self.subclasses.flatten(traced_out, new_states) + grads_out
 
@@ -616,7 +630,7 @@ class _StatelessStep:
                             f"parameter {fqn!r}; only tensor optimizer state is supported."
                         )
                     self.created.append((fqn, k))
-                    new_states.append(v)
+                    new_states.append(tp.local_of(v))
         return new_states
 
 
@@ -631,7 +645,7 @@ def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict) -> torch.
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, backed_size_oblivious(), \
-                faster_symbolic_recording(), size_oblivious_reshape():
+                faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution():
             return record(step, sa.module, codes)(*args)
     except SPMDError:
         raise
@@ -662,14 +676,19 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     home = next((t.device for t in (*st.params, *st.buffers) if not t.is_meta),
                 next((sa.leaves[i].device for i in sa.input_indices), torch.device("cpu")))
 
-    def fake_static(t):
-        shape, dtype, device = _global_meta(t)
+    def fake_static(t, owner=None):
+        shape, dtype, device = _global_meta(t, owner)
         device = home if device.type == "meta" else device
         with fake_mode:
             return torch.empty(shape, dtype=dtype, device=device)
 
+    # a tensor-parallel parameter's placeholder is its local shard; the DTensor around it is the
+    # leaf that requires grad (tensor_parallel.as_planned)
+    owners = {id(v): st.owner(key) for key, v in st.states}
     recording, fake_params, fake_states = subclasses.Recording.of(
-        {st.fqn_of[id(p)]: p for p in st.params}, [v for _, v in st.states], fake_static, shard)
+        {st.fqn_of[id(p)]: p for p in st.params}, [v for _, v in st.states],
+        lambda t: fake_static(t, owners.get(id(t))), shard,
+        leaf=lambda p: p.requires_grad and tp.plan_of(p) is None)
     fake_buffers = [fake_static(b) for b in st.buffers]
     hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer)
     lifted = (list(lift), guards.step_roots(fn, sa), len(hparams))
@@ -737,10 +756,12 @@ def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynami
     """Profiler nodes out, dtypes checked, the meta the passes read written; every trainable
     parameter must have got a gradient."""
     remove_profiler_nodes(gm)
+    tp.mark_plan_collectives(gm)
     _check_matmul_dtypes(gm)
     _annotate(gm, signature, sa, grad_nodes, dynamic_dims)
     missing = [fqn for fqn in signature.params if fqn not in grad_nodes
                and fqn in _trainable(sa)]
+    tp.refuse_unused_plans(sa.module, missing)
     if missing:
         raise MissingGradientError(
             f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "
@@ -768,7 +789,7 @@ def _fake_inputs(fake_mode: FakeTensorMode, sa: StepArgs,
     length equal to the batch size is not taken for the batch); other dims are static."""
     out = []
     for i, b in zip(sa.input_indices, sa.batch_dims):
-        t = sa.leaves[i]
+        t = tp.local_of(sa.leaves[i])
         dynamic = set(dynamic_dims.get(i, ())) | ({b} if b is not None else set())
         ctx = StatelessSymbolicContext(dynamic_sizes=[
             DimDynamic.DYNAMIC if j in dynamic else DimDynamic.STATIC for j in range(t.dim())])
