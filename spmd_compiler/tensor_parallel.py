@@ -43,13 +43,14 @@ class Plan:
     local_shape: tuple[int, ...]
 
 
-# the meshes data parallelism alone placed tensors on (runtime.place_state): a DTensor there is
-# not a tensor-parallel plan
-_DATA_PARALLEL_MESHES: set[DeviceMesh] = set()  # (hashed without tensor ops: safe while recording)
+# the mesh objects data parallelism alone placed tensors on (runtime.place_state), by identity:
+# a DTensor there is not a tensor-parallel plan. A user's mesh over the same ranks is another
+# object (DeviceMesh compares equal by its ranks, so a set would take the plan's mesh for ours).
+_DATA_PARALLEL_MESHES: dict[int, DeviceMesh] = {}
 
 
 def note_data_parallel_mesh(mesh: DeviceMesh) -> None:
-    _DATA_PARALLEL_MESHES.add(mesh)
+    _DATA_PARALLEL_MESHES[id(mesh)] = mesh
 
 
 def plan_of(t: Any, owner: Any = None) -> Plan | None:
@@ -61,7 +62,7 @@ def plan_of(t: Any, owner: Any = None) -> Plan | None:
     plan = getattr(t, "_spmd_plan", None)
     if plan is not None:
         return plan
-    if hasattr(t, "_spmd_buffer") or t.device_mesh in _DATA_PARALLEL_MESHES:
+    if hasattr(t, "_spmd_buffer") or _DATA_PARALLEL_MESHES.get(id(t.device_mesh)) is t.device_mesh:
         return None  # placed by data parallelism alone
     return Plan(dtensor_spec(t), tuple(local_tensor(t).shape))
 
@@ -136,10 +137,18 @@ def dtensor_fuses(opt: torch.optim.Optimizer) -> bool:
     return op is not None and dtensor_has_rule(op)
 
 
-def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:
+def plan_groups(sa) -> set[str]:
+    """The process groups of the meshes the user's plan placed parameters and inputs on."""
+    tensors = [*sa.module.parameters(), *(sa.leaves[i] for i in sa.input_indices)]
+    meshes = {plan.spec.mesh for plan in map(plan_of, tensors) if plan is not None}
+    return {m.get_group(d).group_name for m in meshes for d in range(m.ndim)}
+
+
+def mark_plan_collectives(gm: torch.fx.GraphModule, groups: set[str]) -> None:
     """Writes MODEL_PARALLEL (the process group) and ROLE (COLLECTIVE) on every functional
-    collective and wait the recording holds: the step's own (DTensor's), not data
-    parallelism's (those carry a COLLECTIVE description as well)."""
+    collective and wait the recording holds over one of the plan's ``groups``: the step's own
+    (DTensor's), not data parallelism's (an all-gather extension's gathers run over a
+    data-parallel group)."""
     group_of = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or getattr(node.target, "namespace", None) != "_c10d_functional":
@@ -148,7 +157,7 @@ def mark_plan_collectives(gm: torch.fx.GraphModule) -> None:
             group = group_of.get(node.args[0])
         else:
             group = next((a for a in reversed(node.args) if isinstance(a, str)), None)
-        if group is not None:
+        if group in groups:
             group_of[node] = group
             node.meta[meta.MODEL_PARALLEL] = group
             node.meta[meta.ROLE] = meta.Role.COLLECTIVE

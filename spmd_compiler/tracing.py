@@ -756,7 +756,7 @@ def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynami
     """Profiler nodes out, dtypes checked, the meta the passes read written; every trainable
     parameter must have got a gradient."""
     remove_profiler_nodes(gm)
-    tp.mark_plan_collectives(gm)
+    tp.mark_plan_collectives(gm, tp.plan_groups(sa))
     _check_matmul_dtypes(gm)
     _annotate(gm, signature, sa, grad_nodes, dynamic_dims)
     missing = [fqn for fqn in signature.params if fqn not in grad_nodes
