@@ -202,7 +202,6 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     on the meta device are materialized on ``device`` first (``materialize_meta``).
     """
     world = shard_size(mesh)
-    tp.note_data_parallel_mesh(mesh)
     seen: dict[int, torch.nn.Parameter] = {}
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         if any(opt.state.get(p) for opt in optimizers for p in module.parameters() if p.is_meta):

@@ -43,16 +43,6 @@ class Plan:
     local_shape: tuple[int, ...]
 
 
-# the mesh objects data parallelism alone placed tensors on (runtime.place_state), by identity:
-# a DTensor there is not a tensor-parallel plan. A user's mesh over the same ranks is another
-# object (DeviceMesh compares equal by its ranks, so a set would take the plan's mesh for ours).
-_DATA_PARALLEL_MESHES: dict[int, DeviceMesh] = {}
-
-
-def note_data_parallel_mesh(mesh: DeviceMesh) -> None:
-    _DATA_PARALLEL_MESHES[id(mesh)] = mesh
-
-
 def plan_of(t: Any, owner: Any = None) -> Plan | None:
     """The tensor-parallel layout of a parameter, optimizer state or input, if it has one: a
     DTensor the user placed (not one data parallelism alone placed), or one placed here on top
@@ -62,8 +52,10 @@ def plan_of(t: Any, owner: Any = None) -> Plan | None:
     plan = getattr(t, "_spmd_plan", None)
     if plan is not None:
         return plan
-    if hasattr(t, "_spmd_buffer") or _DATA_PARALLEL_MESHES.get(id(t.device_mesh)) is t.device_mesh:
-        return None  # placed by data parallelism alone
+    if hasattr(t, "_spmd_buffer"):
+        # placed by data parallelism alone (runtime.place_state marks each such DTensor; its
+        # mesh is no sign: DTensor's propagation cache hands out equal meshes across steps)
+        return None
     return Plan(dtensor_spec(t), tuple(local_tensor(t).shape))
 
 
