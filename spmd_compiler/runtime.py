@@ -164,13 +164,16 @@ def local_buffer(dt: torch.Tensor) -> torch.Tensor:
     return getattr(dt, "_spmd_buffer", local)
 
 
-def ensure_padded(t: Any, mesh: DeviceMesh) -> Any:
-    """A sharded state DTensor backed by a padded buffer whose head is its local tensor.
+def ensure_padded(t: Any, mesh: DeviceMesh, param: Any) -> Any:
+    """A sharded state DTensor (of parameter ``param``) backed by a padded buffer whose head is
+    its local tensor.
 
     Optimizer state loaded from a checkpoint arrives as new DTensors without one; such a state
-    is re-made (same values) on a padded buffer. Anything else is returned as is.
+    is re-made (same values) on a padded buffer. Anything else is returned as is. Whether the
+    state follows a tensor-parallel plan is its parameter's to say: a loaded state carries no
+    mark of its own.
     """
-    if not is_sharded(t) or t.dim() == 0 or tp.plan_of(t) is not None:
+    if not is_sharded(t) or t.dim() == 0 or tp.plan_of(t, param) is not None:
         return t
     layout = layout_for(t, True, shard_size(mesh))
     buffer, local = local_buffer(t), local_tensor(t)
@@ -514,7 +517,7 @@ def placed_state(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
     """An optimizer state value as the compiled graph binds it: placed like ``param`` (a plain
     one that arrived by ``load_state_dict``), on its padded buffer when sharded."""
     if isinstance(v, DTensor):
-        return ensure_padded(v, mesh)
+        return ensure_padded(v, mesh, param)
     if isinstance(v, torch.Tensor) and isinstance(param, DTensor):
         return place_state_tensor(v, param, mesh)
     return v
