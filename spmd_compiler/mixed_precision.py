@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .torch_internals import pytree
 from .errors import MixedPrecisionError
+from .per_call_parameters import parameters_replaced_per_call
 
 
 # Dtypes the backends reduce and gather (gloo raises "Invalid scalar type" on float8 types).
@@ -80,43 +81,16 @@ def cast_forward(module: torch.nn.Module, policy):
     if policy is None or (policy.param_dtype is None and policy.output_dtype is None):
         yield
         return
-    depth = [0]
-    saved: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    dtype = policy.param_dtype
 
-    def enter(mod, args, kwargs):
-        depth[0] += 1
-        if depth[0] > 1 or policy.param_dtype is None:
+    def cast(owner, p):
+        if dtype is None or not p.is_floating_point() or p.dtype == dtype or (
+                getattr(p, "_spmd_unsharded", False)):  # an all-gather extension's own
             return None
-        casts: dict[int, torch.Tensor] = {}
-        for sub in mod.modules():
-            for name, p in sub._parameters.items():
-                if p is None or not p.is_floating_point() or p.dtype == policy.param_dtype or (
-                        getattr(p, "_spmd_unsharded", False)):  # an all-gather extension's own
-                    continue
-                if id(p) not in casts:
-                    casts[id(p)] = p.to(policy.param_dtype)
-                saved.append((sub, name, p))
-                sub._parameters[name] = casts[id(p)]
-        if policy.cast_forward_inputs:
-            return _cast(policy.param_dtype, (args, kwargs))
-        return None
+        return p.to(dtype)
 
-    def leave(mod, args, kwargs, output):
-        depth[0] -= 1
-        if depth[0]:
-            return None
-        while saved:
-            sub, name, p = saved.pop()
-            sub._parameters[name] = p
-        return _cast(policy.output_dtype, output)
-
-    hooks = [module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
-             module.register_forward_hook(leave, with_kwargs=True, always_call=True)]
-    try:
+    cast_inputs = dtype is not None and policy.cast_forward_inputs
+    with parameters_replaced_per_call(
+            module, cast, inputs=(lambda args, kwargs: _cast(dtype, (args, kwargs))) if cast_inputs
+            else None, output=lambda out: _cast(policy.output_dtype, out)):
         yield
-    finally:
-        for h in hooks:
-            h.remove()
-        while saved:
-            sub, name, p = saved.pop()
-            sub._parameters[name] = p

@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from spmd_compiler.passes import meta
 
 from .errors import UnsupportedError
+from .per_call_parameters import parameters_replaced_per_call
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 _GLOO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
@@ -349,51 +350,22 @@ def gathered_forward(module: torch.nn.Module, hooked: dict[str, Hooks],
     if not hooked or shard is None:
         yield
         return
-    depth = [0]
-    saved: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
     by_id = {id(fakes[f]): f for f in hooked}
 
-    def enter(mod, args, kwargs):
-        depth[0] += 1
-        if depth[0] > 1:
+    def leaf_of(owner, p):
+        fqn = by_id.get(id(p))
+        if fqn is None:
             return None
-        leaves: dict[str, torch.Tensor] = {}
-        for sub in mod.modules():
-            for name, p in sub._parameters.items():
-                fqn = by_id.get(id(p)) if p is not None else None
-                if fqn is None:
-                    continue
-                if fqn not in leaves:
-                    with torch.no_grad():
-                        full = unshard(fqn, p, hooked[fqn], shard, sub, policy, described)
-                    leaf = full.detach().requires_grad_(p.requires_grad)
-                    leaf._spmd_unsharded = True  # mixed precision leaves it as the hook made it
-                    if p.requires_grad:
-                        leaf.register_post_accumulate_grad_hook(_to_param_grad(p, fqn, grad_nodes))
-                    leaves[fqn] = leaf
-                saved.append((sub, name, p))
-                sub._parameters[name] = leaves[fqn]
-        return None
+        with torch.no_grad():
+            full = unshard(fqn, p, hooked[fqn], shard, owner, policy, described)
+        leaf = full.detach().requires_grad_(p.requires_grad)
+        leaf._spmd_unsharded = True  # mixed precision leaves it as the hook made it
+        if p.requires_grad:
+            leaf.register_post_accumulate_grad_hook(_to_param_grad(p, fqn, grad_nodes))
+        return leaf
 
-    def restore():
-        while saved:
-            sub, name, p = saved.pop()
-            sub._parameters[name] = p
-
-    def leave(mod, args, kwargs, output):
-        depth[0] -= 1
-        if not depth[0]:
-            restore()
-        return None
-
-    handles = [module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
-               module.register_forward_hook(leave, with_kwargs=True, always_call=True)]
-    try:
+    with parameters_replaced_per_call(module, leaf_of):
         yield
-    finally:
-        for h in handles:
-            h.remove()
-        restore()
 
 
 def hooked_parameters(named: dict[str, torch.Tensor], sharded: bool) -> dict[str, Hooks]:
