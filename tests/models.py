@@ -1,7 +1,7 @@
 """Small models and training steps shared by the tests.
 
 Every model takes a ``(batch, 50)`` input and returns ``(batch, 8)``, so any of them fits
-:func:`train_step` with a ``(x, y)`` batch of shapes ``(b, 50)`` and ``(b, 8)``.
+:func:`tests.steps.train_step` with a ``(x, y)`` batch of shapes ``(b, 50)`` and ``(b, 8)``.
 
 - :class:`SimpleMLP`: the seed's two-layer MLP.
 - :class:`BatchDimModel`: the seed's ``WrapperModule`` of ``test_data_parallel_batch_dim_analysis``
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from tests.steps import flexible_step, mse_step, train_step  # noqa: F401 (the steps tests import from here)
 
 IN_FEATURES = 50
 OUT_FEATURES = 8
@@ -95,40 +97,3 @@ MODELS = {
     "BatchNormMLP": BatchNormMLP,
     "TiedMLP": TiedMLP,
 }
-
-
-def train_step(model, optim, train_batch):
-    """The seed's training step: sum of (output - labels)."""
-
-    def loss_fn(out, labels):
-        return (out - labels).sum()
-
-    optim.zero_grad()
-    inputs, labels = train_batch
-    out = model(inputs)
-    loss = loss_fn(out, labels)
-    loss.backward()
-    optim.step()
-    return loss
-
-
-def mse_step(model, optim, train_batch):
-    """A mean-squared-error step (a loss that averages over the local batch, as DDP users do)."""
-    optim.zero_grad()
-    inputs, labels = train_batch
-    loss = torch.nn.functional.mse_loss(model(inputs), labels)
-    loss.backward()
-    optim.step()
-    return loss
-
-
-def flexible_step(model, optim, batch):
-    """Accepts a ``(x, y)`` tuple or a ``{"x": ..., "y": ...}`` dict; computes in float32 whatever
-    the batch's dtype (so a float64 batch is a new input signature for an unchanged model)."""
-    optim.zero_grad()
-    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
-    out = model(x.to(torch.float32))
-    loss = ((out - y.to(torch.float32)) ** 2).sum()
-    loss.backward()
-    optim.step()
-    return loss

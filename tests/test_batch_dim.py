@@ -17,6 +17,7 @@ from spmd_compiler.passes.batch_dim import PlacementError, annotate_placements
 from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler.tracing import trace_step
 from tests.models import BatchDimModel, SimpleMLP, train_step
+from tests.steps import clip_norm, diff_sum, step_with, sum_step
 
 aten = torch.ops.aten
 R, AVG = Replicate(), Partial("avg")
@@ -149,14 +150,13 @@ class TinyBlock(nn.Module):
         return self.head(h)
 
 
-def lm_step(model, optim, batch):
-    optim.zero_grad()
+def lm_loss(model, batch):
     idx, targets = batch
     logits = model(idx)
-    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-    loss.backward()
-    optim.step()
-    return loss
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+lm_step = step_with(lm_loss)
 
 
 def test_transformer_block_flattens_batch_and_seq():
@@ -194,13 +194,12 @@ class ConvNet(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
-def ce_step(model, optim, batch):
-    optim.zero_grad()
+def ce_loss(model, batch):
     x, y = batch
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    return loss
+    return F.cross_entropy(model(x), y)
+
+
+ce_step = step_with(ce_loss)
 
 
 def test_conv_net_with_batch_norm_and_flatten():
@@ -231,14 +230,11 @@ def test_unbatched_extra_input_is_replicate():
         def forward(self, x, mask):
             return self.lin(x) * mask
 
-    def step(model, optim, batch):
-        optim.zero_grad()
+    def masked_mse(model, batch):
         x, mask, y = batch
-        loss = F.mse_loss(model(x, mask), y)
-        loss.backward()
-        optim.step()
-        return loss
+        return F.mse_loss(model(x, mask), y)
 
+    step = step_with(masked_mse)
     model = Masked()
     batch = (torch.randn(4, 6), torch.ones(6), torch.randn(4, 6))
     gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=step,
@@ -261,15 +257,8 @@ def _raising_step(forward):
         def forward(self, x):
             return forward(self.lin(x))
 
-    def step(model, optim, batch):
-        optim.zero_grad()
-        loss = model(batch).sum()
-        loss.backward()
-        optim.step()
-        return loss
-
     model = M()
-    return trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8)),
+    return trace_step(sum_step, (model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8)),
                       {}, input_batch_dim=0).gm
 
 
@@ -451,14 +440,7 @@ def test_functional_collectives_after_expansion():
     assert optimizer_updates and all(placement(n) == R for n in optimizer_updates)
 
 
-def clip_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = (model(x) - y).sum()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optim.step()
-    return loss
+clip_step = step_with(diff_sum, between=clip_norm(1.0, returned=False))
 
 
 @pytest.mark.parametrize("make_optim", [
