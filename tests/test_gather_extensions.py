@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.multirank import ParityChecker, rank_data
+from tests.steps import sum_step
 
 STEPS = 4
 LR = 1e-2
@@ -85,14 +86,6 @@ def init_two_tensor_mlp(dim: int) -> nn.Module:
         mlp.out_proj.weight = nn.Parameter(
             TwoTensor(mlp.out_proj.weight, mlp.out_proj.weight.clone()))
     return model
-
-
-def sum_step(model, optim, x):
-    optim.zero_grad()
-    loss = model(x).sum()
-    loss.backward()
-    optim.step()
-    return loss
 
 
 def parts(t):
