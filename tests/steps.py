@@ -102,6 +102,21 @@ def clip_norm(max_norm: float, returned: bool = True, **kwargs) -> Callable:
     return clip
 
 
+def weighted_mse_step(model, optim, batch, weight):
+    """The step of ``mse(model, batch) * weight``, for a step that reads its weight from
+    somewhere (a global, a closure, an attribute) and passes it on, so that the read stays in
+    that step's own line::
+
+        def weighted_step(model, optim, batch):
+            return weighted_mse_step(model, optim, batch, LOSS_WEIGHT)
+    """
+    optim.zero_grad()
+    loss = mse(model, batch) * weight
+    loss.backward()
+    optim.step()
+    return loss
+
+
 # --------------------------------------------------------------------------------------------------
 # The common steps
 # --------------------------------------------------------------------------------------------------
