@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 from spmd_compiler.passes.batch_dim import PlacementError, annotate_placements
 from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler.tracing import trace_step
-from tests.models import BatchDimModel, SimpleMLP, train_step
+from tests.models import BatchDimModel, SimpleMLP, TransposedMLP, train_step
 from tests.steps import clip_norm, diff_sum, step_with, sum_step
 
 aten = torch.ops.aten
@@ -84,15 +84,7 @@ def test_seed_batch_dim_model():
 
 
 def test_non_zero_batch_dim_fused_adam():
-    class Transposed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = SimpleMLP()
-
-        def forward(self, x):
-            return self.mlp(x.t().contiguous()).t()
-
-    model = Transposed()
+    model = TransposedMLP()
     optim = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
     gm = annotated(model, optim, (torch.randn(50, 16), torch.randn(8, 16)), input_batch_dim=1)
     x, y = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.INPUT]

@@ -17,8 +17,8 @@ from copy import deepcopy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
+from tests.models import TwoLayerMLP
 from tests.multirank import ParityChecker, rank_data
 from tests.steps import clip_norm, square_mean_step, square_sum, square_sum_step, step_with
 from tests.test_fully_shard import compare_with_reference
@@ -27,16 +27,9 @@ STEPS = 4
 BATCH = 6
 
 
-class OddMLP(nn.Module):
+def OddMLP():  # noqa: N802 (a model constructor, named like the others)
     """33 hidden rows: shards over 2 ranks are 17 + 16 rows (padding in every collective)."""
-
-    def __init__(self):
-        super().__init__()
-        self.net1 = nn.Linear(20, 33)
-        self.net2 = nn.Linear(33, 5)
-
-    def forward(self, x):
-        return self.net2(torch.relu(self.net1(x)))
+    return TwoLayerMLP(20, 33, 5)
 
 
 adam_step = square_sum_step
