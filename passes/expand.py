@@ -141,12 +141,12 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
         users = list(grad.users)
         val = grad.meta["val"]
         cast = reduce_dtype is not None and reduce_dtype != val.dtype
-        world = next(d.size for d in layout if d.placement.is_shard()) if fqn in sharded else 1
+        world = next(d.size for d in layout if d.placement.is_shard()) if fqn in sharded else None
         scatter = [fqn in sharded and d.placement.is_shard() for d in reversed(layout)]
 
         def reduce(x):
             x = to_dtype(x, reduce_dtype) if cast else x
-            x = pad_rows(x, world)
+            x = pad_rows(x, world) if world else x
             x = x if divide_after_sum else aten.div.Tensor(x, ranks)
             waits = []
             for d, rs in zip(reversed(layout), scatter):
@@ -158,7 +158,7 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
         waits = insert_traced(graph, reduce, (grad,), before=grad.next,
                               region=grad.meta.get(meta.REGION), collective=collective_meta([fqn]))
         # an all-reduced shard stays a shard; a gradient reduced as it is keeps its placement
-        untouched = not cast and divide_after_sum and not val.shape[0] % world
+        untouched = not cast and divide_after_sum and not (world and val.shape[0] % world)
         placed = {k: grad.meta[k] for k in (meta.PLACEMENT, meta.LOGICAL_SHAPE)
                   if k in grad.meta and untouched}
         for wait, rs in zip(waits, scatter):
