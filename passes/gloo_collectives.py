@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from spmd_compiler.torch_internals import _resolve_process_group
+
 from . import meta
 from .collectives import aten, c10d, joined
 from .subgraph import insert_traced
@@ -27,7 +29,7 @@ def _group(name):
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        group = dist.distributed_c10d._resolve_process_group(name)
+        group = _resolve_process_group(name)
     except (KeyError, RuntimeError, ValueError):
         return None
     return group.rank(), group.size()

@@ -21,7 +21,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._library._out_variant import get_out_arg_names, to_out_variant
+
+from spmd_compiler.torch_internals import get_out_arg_names, has_kernel, to_out_variant
 
 from . import meta
 from .collectives import aten, c10d, joined
@@ -106,7 +107,7 @@ def _out_variant(node: fx.Node):
     # Only a kernel of the device's own writes into ``out``; the generated fallback
     # (CompositeExplicitAutograd) computes a new tensor and copies it over.
     device = node.meta["val"].device.type.upper()
-    if out_op is None or not torch._C._dispatch_has_kernel_for_dispatch_key(out_op.name(), device):
+    if out_op is None or not has_kernel(out_op.name(), device):
         return None
     return out_op
 

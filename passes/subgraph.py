@@ -14,8 +14,9 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from spmd_compiler.torch_internals import FakeTensor, FakeTensorMode
 
 from . import meta
 

@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 
 from . import tensor_parallel as tp
-from .torch_internals import dtensor_spec, local_tensor, pytree
+from .torch_internals import _broadcast_coalesced, dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
@@ -82,7 +82,7 @@ def broadcast_from_first(tensors: list[torch.Tensor], mesh: DeviceMesh) -> None:
     tensors = [t for t in tensors if t.numel()]
     for d in range(mesh.ndim):
         if tensors and mesh.size(d) > 1:
-            dist._broadcast_coalesced(mesh.get_group(d), tensors, 250 * 2**20, 0)
+            _broadcast_coalesced(mesh.get_group(d), tensors, 250 * 2**20, 0)
 
 
 def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
