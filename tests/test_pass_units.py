@@ -264,6 +264,40 @@ def test_memory_plan_leaves_small_tensors_to_malloc():
     assert not _workspaces(gm) and not gm.meta.get(meta.WORKSPACES)
 
 
+# ---------------------------------------------------------------------------------- subgraph
+
+
+def test_insert_traced_records_a_function_with_its_ops_values_and_meta():
+    from spmd_compiler.passes.subgraph import insert_traced
+
+    b = _Builder()
+    x = b.input("x", 6, 4)
+    out = b.call(aten.sum.default, x)
+    gm = b.done(out)
+
+    def reduce(t, world, group):
+        flat = aten.reshape.default(aten.div.Tensor(t, world), [-1])
+        return c10d.wait_tensor.default(c10d.all_reduce.default(flat, "sum", group)), t
+
+    done, same = insert_traced(gm.graph, reduce, (x, 2, "g"), before=out, region=BWD,
+                               collective=dict(kind="all_reduce", params=["w"]), **{meta.BUCKET: 3})
+    assert same is x  # an argument returned as it is stays that node
+    new = [n for n in gm.graph.nodes if n.op == "call_function" and n is not out]
+    # ops as called (reshape not decomposed), before ``before``, each with the value its op gives
+    assert [n.target for n in new] == [aten.div.Tensor, aten.reshape.default,
+                                       c10d.all_reduce.default, c10d.wait_tensor.default]
+    assert new[-1] is done and done.next is out
+    assert all(n.meta[meta.REGION] == BWD and tuple(n.meta["val"].shape) == ((6, 4) if i == 0 else (24,))
+               for i, n in enumerate(new))
+    issue = new[2]
+    assert issue.meta[meta.COLLECTIVE] == dict(kind="all_reduce", bytes=96, params=["w"])
+    assert issue.meta[meta.ROLE] == done.meta[meta.ROLE] == meta.Role.COLLECTIVE
+    assert issue.meta[meta.BUCKET] == done.meta[meta.BUCKET] == 3
+    assert meta.ROLE not in new[0].meta
+    meta.check(gm, "insert_traced")
+    gm.graph.lint()
+
+
 # --------------------------------------------------------------------------------- recompute
 
 
