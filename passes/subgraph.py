@@ -6,17 +6,33 @@ pre-dispatch: each op as the function calls it (a ``reshape`` is not decomposed 
 or copy it does; the memory planner knows it as an alias of its input). Every inserted
 node's ``val`` is what its op computed; the pass gives the meta only it knows (REGION, the
 collectives' ROLE and COLLECTIVE, a bucket index).
+
+Recordings are cached per fake mode, keyed by everything the recorded graph depends on: the
+function's code with its closure's and defaults' values, the constants among the arguments and
+each tensor argument's metadata (shape and stride with their symbolic expressions, dtype,
+device, layout, ``requires_grad``) and the grad mode. The many gradients of one shape share one
+recording: a hit copies the cached nodes and runs each op on the new arguments' values in the
+fake mode, so every inserted node still holds its own value as its op computed it. A function
+whose key cannot be formed from plain values (a closure holding a tensor or a node, ...) is
+recorded every time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
+import operator
+import types
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_compiler.torch_internals import FakeTensor, FakeTensorMode
+from spmd_compiler.torch_internals import FakeTensor, FakeTensorMode, OpOverload, pytree
 
 from . import meta
 
@@ -44,32 +60,120 @@ def insert_traced(graph: fx.Graph, fn: Callable[..., Any], args: tuple, *, befor
     if not all(isinstance(v, torch.Tensor) for v in vals):
         raise TypeError(f"insert_traced: arguments {[n.name for n in nodes]} must be tensors")
 
-    def traced(*tensors):
-        env = dict(zip(nodes, tensors))
-        return fn(*fx.node.map_arg(args, env.__getitem__))
-
     fake_mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
     if fake_mode is None:  # real values (a hand-written graph): traced on fake copies
         fake_mode = FakeTensorMode()
         vals = [fake_mode.from_tensor(v) for v in vals]
-    with fake_mode:
-        # pre-dispatch: ops as called (``reshape`` stays one node, as the graph's own do)
-        sub = make_fx(traced, pre_dispatch=True)(*vals)
-    env: dict[fx.Node, Any] = dict(zip(sub.graph.find_nodes(op="placeholder"), nodes))
+    sub, fresh = _recorded(fn, args, nodes, vals, fake_mode)
+    env: dict[fx.Node, Any] = dict(zip(sub.find_nodes(op="placeholder"), nodes))
+    values: dict[fx.Node, Any] = dict(zip(sub.find_nodes(op="placeholder"), vals))
     result = None
     with graph.inserting_before(before):
-        for n in sub.graph.nodes:
+        for n in sub.nodes:
             if n.op == "output":
                 result = fx.node.map_arg(n.args[0], env.__getitem__)
             elif n.op == "call_function" and n.target is torch.ops.aten.detach.default:
                 env[n] = env[n.args[0]]
+                values[n] = values[n.args[0]]
             elif n.op == "call_function":
                 env[n] = new = graph.node_copy(n, env.__getitem__)
-                new.meta = {"val": n.meta["val"]}
+                values[n] = n.meta["val"] if fresh else _run(n, values, fake_mode)
+                new.meta = {"val": values[n]}
                 _tag(new, region, collective, extra)
-            elif n.op != "placeholder":
-                raise TypeError(f"insert_traced: {fn} recorded a {n.op} node ({n.target})")
     return result
+
+
+class _Uncacheable(Exception):
+    """A value a recording's cache key cannot be formed from."""
+
+
+# fake mode -> cache key -> recorded graph (one ShapeEnv per fake mode: symbols never mix)
+_RECORDINGS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _recorded(fn, args, nodes, vals, fake_mode) -> tuple[fx.Graph, bool]:
+    """``fn``'s recording on ``vals`` and whether it was recorded just now (its nodes' values
+    are then the values to insert), from the fake mode's cache when it holds one."""
+    try:
+        index = {n: _ArgRef(i) for i, n in enumerate(nodes)}
+        key = (_canon(fn), _canon(fx.node.map_arg(args, index.__getitem__)),
+               tuple(_tensor_key(v) for v in vals), torch.is_grad_enabled())
+        cache = _RECORDINGS.setdefault(fake_mode, {})
+        hit = cache.get(key)
+    except (_Uncacheable, TypeError, ValueError):  # an unhashable value, an empty closure cell
+        key = cache = hit = None
+    if hit is not None:
+        return hit, False
+
+    def traced(*tensors):
+        env = dict(zip(nodes, tensors))
+        return fn(*fx.node.map_arg(args, env.__getitem__))
+
+    with fake_mode:
+        # pre-dispatch: ops as called (``reshape`` stays one node, as the graph's own do)
+        sub = make_fx(traced, pre_dispatch=True)(*vals).graph
+    for n in sub.nodes:
+        if n.op not in ("placeholder", "call_function", "output"):
+            raise TypeError(f"insert_traced: {fn} recorded a {n.op} node ({n.target})")
+    if cache is not None and all(_replayable(n) for n in sub.nodes if n.op == "call_function"):
+        cache[key] = sub
+    return sub, True
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArgRef:
+    """The ``index``-th distinct argument node, in a cache key."""
+
+    index: int
+
+
+def _replayable(node: fx.Node) -> bool:
+    """Whether running ``node``'s target again computes its value and nothing else: an operator
+    or a function of ``operator`` (SymInt arithmetic), not a grad-mode switch."""
+    return isinstance(node.target, OpOverload) or \
+        getattr(node.target, "__module__", None) in ("_operator", "operator")
+
+
+def _run(node: fx.Node, values: dict, fake_mode):
+    """``node``'s op run on its arguments' values in ``fake_mode``: a new value of its own (a
+    tensor result detached, as make_fx records it, so no two nodes share one fake tensor)."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+    with fake_mode:
+        out = node.target(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+
+def _tensor_key(v: torch.Tensor) -> tuple:
+    """What a recording depends on in a tensor argument: its metadata, symbolic sizes as their
+    expressions (one ShapeEnv per fake mode, so equal expressions are equal sizes)."""
+    return (type(v), v.dtype, v.device, v.layout, v.requires_grad, _canon(tuple(v.shape)),
+            _canon(v.stride()), _canon(v.storage_offset()))
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.layout, torch.memory_format, OpOverload,
+          enum.Enum, Placement, _ArgRef, types.BuiltinFunctionType)
+
+
+def _canon(x):
+    """A hashable value equal for two values exactly when a recording cannot tell them apart;
+    ``_Uncacheable`` for anything else (a tensor, a node, an arbitrary object)."""
+    if isinstance(x, _PLAIN):
+        return (type(x), x)
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return (type(x), str(x.node.expr))
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_canon(v) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple((_canon(k), _canon(v)) for k, v in x.items()))
+    if isinstance(x, types.FunctionType):
+        cells = tuple(_canon(c.cell_contents) for c in x.__closure__ or ())
+        return (x.__code__, cells, _canon(x.__defaults__), _canon(x.__kwdefaults__))
+    if isinstance(x, functools.partial):
+        return (functools.partial, _canon(x.func), _canon(x.args), _canon(x.keywords))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x), tuple(_canon(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    raise _Uncacheable(type(x).__name__)
 
 
 def _tag(node: fx.Node, region, collective: dict | None, extra: dict) -> None:

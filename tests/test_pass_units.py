@@ -328,3 +328,51 @@ def test_recompute_with_full_budget_changes_nothing():
     gm = _saved_activation()
     before = _order(gm)
     assert _order(recompute_activations(gm, budget=1.0)) == before
+
+
+def test_insert_traced_reuses_a_recording_with_fresh_values(monkeypatch):
+    from spmd_compiler.passes import subgraph
+
+    recorded = []
+    make_fx = subgraph.make_fx
+    monkeypatch.setattr(subgraph, "make_fx", lambda *a, **k: recorded.append(1) or make_fx(*a, **k))
+    mode = FakeTensorMode()
+    graph = fx.Graph()
+    xs = []
+    for name, rows in (("a", 6), ("b", 6), ("c", 3), ("d", 6)):
+        xs.append(graph.placeholder(name))
+        xs[-1].meta["val"] = mode.from_tensor(torch.randn(rows, 4))
+    out = graph.output(tuple(xs))
+
+    def reducer(world):
+        def reduce(t):
+            flat = aten.div.Tensor(aten.reshape.default(t, [-1]), world)
+            return c10d.wait_tensor.default(c10d.all_reduce.default(flat, "sum", "g"))
+        return reduce
+
+    def insert(x, world):
+        before = len(recorded)
+        done = subgraph.insert_traced(graph, reducer(world), (x,), before=out, region=BWD,
+                                      collective=dict(kind="all_reduce"))
+        chain = [done]
+        while chain[-1] is not x:
+            chain.append(chain[-1].args[0])
+        return chain[-2::-1], len(recorded) > before
+
+    first, missed = insert(xs[0], 2)
+    again, hit_missed = insert(xs[1], 2)  # same code, closure value and argument metadata
+    assert missed and not hit_missed
+    assert [(n.target, n.args[1:], n.kwargs) for n in again] == \
+        [(n.target, n.args[1:], n.kwargs) for n in first]
+    assert [n.meta[meta.ROLE] for n in again[2:]] == [meta.Role.COLLECTIVE] * 2
+    assert again[2].meta[meta.COLLECTIVE] == dict(kind="all_reduce", bytes=96)
+    for old, new in zip(first, again):  # a value of its own, as its op computed it, same mode
+        assert new.meta["val"] is not old.meta["val"]
+        assert new.meta["val"].fake_mode is mode
+        assert (new.meta["val"].shape, new.meta["val"].dtype) == (old.meta["val"].shape, old.meta["val"].dtype)
+    vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
+    assert len({id(v) for v in vals}) == len(vals)
+    assert insert(xs[2], 2)[1]  # another shape: recorded
+    assert insert(xs[3], 3)[1]  # another closure value: recorded
+    assert not insert(xs[3], 2)[1]
+    graph.lint()
