@@ -269,8 +269,8 @@ def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> N
         return
     place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
                 mode.param_init_fn, torch.device(mesh.device_type))
-    if not has_plan(sa.module):  # model(x), generate(), load_state_dict, saving outside the step
-        attach_eager_use(sa.module, mesh)
+    attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
+    if not has_plan(sa.module):  # a plan's state dicts keep DTensors, as eager TP's do
         saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
 
 

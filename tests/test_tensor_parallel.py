@@ -288,6 +288,31 @@ def dp_averaged_step(model, optim, x, y, group):
     return loss
 
 
+def check_eager_use(chk: ParityChecker, compiled, eager, style: str, mesh) -> None:
+    """``model(x)`` outside the compiled step (each dp rank its own x): the output without grad,
+    then an eager forward + backward whose gradients (averaged over dp) match the reference's
+    (FSDP2 + TP, or TP with gradients all-reduced over dp)."""
+    torch.manual_seed(7 + 1000 * mesh["dp"].get_local_rank())
+    x, y = torch.rand(8, 10), torch.rand(8, 10)
+    eager.zero_grad()  # its last step left its gradients
+    ref_out = eager(x)  # (on torch 2.13 FSDP2+TP gave wrong gradients after a no_grad forward)
+    ((ref_out - y) ** 2).mean().backward()
+    with torch.no_grad():
+        chk.close("loss", "model(x) outside the step", compiled(x), ref_out)
+    compiled.zero_grad()
+    ((compiled(x) - y) ** 2).mean().backward()
+    if style == "replicate":
+        for p in eager.parameters():
+            dist.all_reduce(p.grad.to_local(), group=mesh["dp"].get_group())
+            p.grad.to_local().div_(mesh["dp"].size())
+    ref = dict(eager.named_parameters())
+    for n, p in compiled.named_parameters():
+        chk.check(p.grad is not None and p.grad.placements == p.placements,
+                  f"{n}: eager backward's grad {getattr(p.grad, 'placements', None)}")
+        if p.grad is not None:
+            chk.close("param", f"{n}.grad of an eager backward", full(p.grad), full(ref[n].grad))
+
+
 def dp_tp_job(style: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -318,6 +343,7 @@ def dp_tp_job(style: str):
         loss = step(compiled, opts[1], x, y)
         chk.close("loss", f"step {i} loss", loss, ref)
     compare_models(chk, f"vs eager {style}", compiled, opts[1], eager, opts[0])
+    check_eager_use(chk, compiled, eager, style, mesh)
     placements = {}
     for (n, p), (_, q) in zip(compiled.named_parameters(), eager.named_parameters()):
         placements[n] = (str(p.placements), p.device_mesh.mesh_dim_names, tuple(p.to_local().shape))
