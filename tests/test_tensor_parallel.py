@@ -352,7 +352,21 @@ def dp_tp_job(style: str):
                       f"{n}: {p.placements} {tuple(p.to_local().shape)} vs FSDP2's "
                       f"{q.placements} {tuple(q.to_local().shape)}")
     return dict(problems=chk.problems, max_err=chk.max_err, placements=placements,
-                counts=collective_nodes(step))
+                counts=collective_nodes(step), shown=shown_collectives(step))
+
+
+def shown_collectives(step) -> dict:
+    """How the summary, the cross-rank program description and the graph dump show the
+    collectives of the last compiled graph."""
+    from spmd_compiler.api import summary_text
+    from spmd_compiler.consistency import describe_graph
+    from spmd_compiler.visualize import graph_to_dot
+
+    gm = step.last_compiled.traced.gm
+    return dict(summary=summary_text(step),
+                described=[(op.split(".")[-2], dim) for op, _, _, dim in
+                           describe_graph(gm)["collective sequence"]],
+                dump=graph_to_dot(gm, "final").source)
 
 
 @pytest.mark.parametrize("style", ["fully_shard", "replicate"])
@@ -364,6 +378,14 @@ def test_dp_x_tp(pool4, style):
     assert p["net2.weight"][1] == ("dp", "tp"), p
     want = "(Shard(dim=0), Shard(dim=1))" if style == "fully_shard" else "(Replicate(), Shard(dim=1))"
     assert p["net2.weight"][0] == want, p
+    # the plan's all_reduce, on the tp dim, next to data parallelism's collectives on dp
+    shown = reps[0]["shown"]
+    assert "all_reduce (plan dim tp)" in shown["summary"], shown["summary"]
+    assert ("all_reduce", "plan dim tp") in shown["described"], shown["described"]
+    dp_kind = "reduce_scatter_tensor" if style == "fully_shard" else "all_reduce"
+    assert (dp_kind, "mesh dim 0") in shown["described"], shown["described"]
+    assert "tp: P(sum) -&gt; R" in shown["dump"] or "tp: P(sum) -> R" in shown["dump"]
+    assert [r["shown"]["described"] for r in reps] == [shown["described"]] * 4
 
 
 # --------------------------------------------------------------------------------------------------
