@@ -32,6 +32,7 @@ import torch.distributed as dist
 from spmd_compiler.passes import batch_dim, meta
 from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.cleanup import eliminate_dead_code
+from spmd_compiler.passes.dedup_collectives import deduplicate_collectives
 from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
 from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
@@ -242,6 +243,8 @@ STAGES: list[Stage] = [
           "(passes/grad_outputs.py)", when="keep_grads", applies=lambda o: o.mode.keep_grads),
     Stage("dead_code", lambda gm, b: eliminate_dead_code(gm), "dead code removed "
           "(passes/cleanup.py)", optional=True),
+    Stage("dedup", lambda gm, b: deduplicate_collectives(gm), "a value reduced twice on one "
+          "group reduced once (passes/dedup_collectives.py)", optional=True),
     Stage("bucketing", _bucketing, "gradient collectives bucketed (passes/bucketing.py)",
           when="bucket_cap_mb", applies=lambda o: bool(o.mode.bucket_cap_mb), optional=True),
     Stage("split_optimizer", lambda gm, b: split_optimizer_by_bucket(gm), "the optimizer split "

@@ -1,5 +1,5 @@
 """Unit tests of single passes on small hand-built graphs (one process, no tracing): cleanup,
-grad_outputs, gloo_collectives, schedule, memory_plan and recompute. Each graph is written node
+grad_outputs, gloo_collectives, dedup_collectives, schedule, memory_plan and recompute. Each graph is written node
 by node with the meta the pass reads (REGION, ROLE, COLLECTIVE, SYNCED_GRAD, fake ``val``s)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import eliminate_dead_code, remove_profiler_nodes
 from spmd_compiler.passes.collectives import aten, c10d
+from spmd_compiler.passes.dedup_collectives import deduplicate_collectives
 from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
 from spmd_compiler.passes.grad_outputs import output_gradients
 from spmd_compiler.passes.memory_plan import plan_static_memory, workspace
@@ -262,3 +263,66 @@ def test_recompute_with_full_budget_changes_nothing():
     gm = _saved_activation()
     before = _order(gm)
     assert _order(recompute_activations(gm, budget=1.0)) == before
+
+
+# ------------------------------------------------------------------------- dedup_collectives
+
+
+def _twice_reduced(second_group: str = "g", second_op: str = "sum", write=None,
+                   late_first_wait: bool = False) -> fx.GraphModule:
+    """x all-reduced twice (the second on ``second_group`` with ``second_op``), each result read
+    once; ``write(b, x)`` adds nodes between the two; ``late_first_wait``: the first wait after
+    the second collective's."""
+    b = _Builder()
+    x = b.input("x", 4)
+    val = x.meta["val"]
+    issue1 = b.call(c10d.all_reduce.default, x, "sum", "g", val=val, **{meta.ROLE: meta.Role.COLLECTIVE})
+    wait1 = None if late_first_wait else b.call(c10d.wait_tensor.default, issue1, val=val)
+    if write is not None:
+        write(b, x)
+    _, wait2 = b.collective(c10d.all_reduce.default, x, second_op, second_group, region=FWD,
+                            val=val, kind="all_reduce")
+    if late_first_wait:
+        wait1 = b.call(c10d.wait_tensor.default, issue1, val=val)
+    return b.done(b.call(aten.mul.Tensor, wait1, 2), b.call(aten.add.Tensor, wait2, 1))
+
+
+def _all_reduces(gm) -> int:
+    return _targets(gm).count(c10d.all_reduce.default)
+
+
+@pytest.mark.parametrize("late_first_wait", [False, True])
+def test_dedup_reduces_a_value_once(one_rank_gloo, late_first_wait):
+    def build():
+        gm = _twice_reduced(late_first_wait=late_first_wait)
+        for n in gm.graph.nodes:  # the real one-rank group
+            if n.target is c10d.all_reduce.default:
+                n.args = (n.args[0], n.args[1], one_rank_gloo)
+        gm.recompile()
+        return gm
+
+    x = torch.arange(4.0)
+    want = build()(x)
+    gm = deduplicate_collectives(build())
+    gm.graph.lint()
+    assert _all_reduces(gm) == 1 and _targets(gm).count(c10d.wait_tensor.default) == 1
+    assert "1 collective" in gm.meta[meta.NOTES]["dedup"]
+    for got, expected in zip(gm(x), want):
+        torch.testing.assert_close(got, expected)
+
+
+def _write_x(b, x):
+    b.call(aten.add_.Tensor, x, 1)
+
+
+def _write_a_view_of_x(b, x):
+    b.call(aten.mul_.Tensor, b.call(aten.view.default, x, [2, 2]), 3)
+
+
+@pytest.mark.parametrize("variant", [dict(second_group="h"), dict(second_op="max"),
+                                     dict(write=_write_x), dict(write=_write_a_view_of_x)],
+                         ids=["other group", "other reduction", "input written between",
+                              "a view of the input written between"])
+def test_dedup_keeps_collectives_that_differ(variant):
+    gm = deduplicate_collectives(_twice_reduced(**variant))
+    assert _all_reduces(gm) == 2 and meta.NOTES not in gm.meta
