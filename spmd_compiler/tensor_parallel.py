@@ -279,15 +279,17 @@ def _mesh_key(mesh: DeviceMesh) -> tuple:
 # Live state
 
 
-def stacked_placements(plan: Plan, sharded: bool) -> tuple:
-    """A planned parameter's placements on the whole mesh, data-parallel dim first, as FSDP2
-    stacks them on a TP'd parameter: ``Shard(0)`` (``_StridedShard(0, split_factor=k)`` when the
-    plan shards dim 0 in ``k`` pieces) or ``Replicate()``, then the plan's."""
+def stacked_placements(plan: Plan, sharded: bool, dp_ndim: int = 1) -> tuple:
+    """A planned parameter's placements on the whole mesh, the ``dp_ndim`` data-parallel dims
+    first, as FSDP2 stacks them on a TP'd parameter: ``Replicate()`` on the outer ones (HSDP's
+    replicate dim), then ``Shard(0)`` (``_StridedShard(0, split_factor=k)`` when the plan shards
+    dim 0 in ``k`` pieces) or ``Replicate()``, then the plan's."""
+    outer = (Replicate(),) * (dp_ndim - 1)
     if not sharded:
-        return (Replicate(),) + tuple(plan.spec.placements)
+        return outer + (Replicate(),) + tuple(plan.spec.placements)
     split = shards_of_dim(plan.spec, 0)
     first = strided_shard(0, split) if split > 1 else Shard(0)
-    return (first,) + tuple(plan.spec.placements)
+    return outer + (first,) + tuple(plan.spec.placements)
 
 
 def dp_sharded(param: DTensor, dp_mesh: DeviceMesh) -> bool:
@@ -308,7 +310,7 @@ def planned_dtensor(local: torch.Tensor, plan: Plan, dp_mesh: DeviceMesh | None,
     if dp_mesh is None:
         dt = dtensor_from_spec(local, spec)
     else:
-        dt = DTensor.from_local(local, root_mesh(dp_mesh, plan), stacked_placements(plan, sharded),
+        dt = DTensor.from_local(local, root_mesh(dp_mesh, plan), stacked_placements(plan, sharded, dp_mesh.ndim),
                                 run_check=False, shape=spec.shape, stride=spec.stride)
     dt._spmd_plan = plan
     return dt

@@ -407,6 +407,53 @@ def shown_collectives(step) -> dict:
                 dump=graph_to_dot(gm, "final").source)
 
 
+def hybrid_tp_job(shape: tuple[int, int]):
+    """hybrid_shard x TP on a 3-D mesh (replicate, shard, tp) against eager FSDP2's HSDP on the
+    TP'd model (``fully_shard(model, mesh=mesh["replicate", "shard"])``), each dp rank its own
+    batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (*shape, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    torch.manual_seed(0)
+    base = MLPModule("cpu")
+    eager = fully_shard(parallelize_module(copy.deepcopy(base), mesh["tp"], plan),
+                        mesh=mesh["replicate", "shard"])
+    compiled = parallelize_module(copy.deepcopy(base), mesh["tp"], plan)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    step = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh)(mse_adam_step)
+    chk = ParityChecker()
+    coordinate = mesh.get_coordinate()
+    dp_rank = coordinate[0] * shape[1] + coordinate[1]
+    for i in range(STEPS):
+        torch.manual_seed(100 + i + 1000 * dp_rank)
+        x, y = torch.rand(8, 10), torch.rand(8, 10)
+        chk.close("loss", f"step {i} loss", step(compiled, opts[1], x, y),
+                  mse_adam_step(eager, opts[0], x, y))
+    compare_models(chk, "vs eager HSDP + TP", compiled, opts[1], eager, opts[0])
+    for (n, p), (_, q) in zip(compiled.named_parameters(), eager.named_parameters()):
+        chk.check(p.placements == q.placements and p.to_local().shape == q.to_local().shape,
+                  f"{n}: {p.placements} {tuple(p.to_local().shape)} vs FSDP2's "
+                  f"{q.placements} {tuple(q.to_local().shape)}")
+    torch.manual_seed(7 + 1000 * dp_rank)
+    x = torch.rand(8, 10)
+    with torch.no_grad():
+        chk.close("loss", "model(x) outside the step", compiled(x), eager(x))
+    return dict(problems=chk.problems, counts=collective_nodes(step))
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)], ids=["2x1x2", "1x2x2"])
+def test_hybrid_shard_x_tp(pool4, shape):
+    reps = pool4.run(hybrid_tp_job, shape, timeout=600)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+
+
 @pytest.mark.parametrize("style", ["fully_shard", "replicate"])
 def test_dp_x_tp(pool4, style):
     reps = pool4.run(dp_tp_job, style, timeout=600)
