@@ -1,5 +1,5 @@
 """Unit tests of single passes on small hand-built graphs (one process, no tracing): cleanup,
-grad_outputs, gloo_collectives, dedup_collectives, schedule, memory_plan and recompute. Each graph is written node
+grad_outputs, gloo_collectives, dedup_collectives, bucketing of a plan's collectives, schedule, memory_plan and recompute. Each graph is written node
 by node with the meta the pass reads (REGION, ROLE, COLLECTIVE, SYNCED_GRAD, fake ``val``s)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spmd_compiler.passes import meta
+from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.cleanup import eliminate_dead_code, remove_profiler_nodes
 from spmd_compiler.passes.collectives import aten, c10d
 from spmd_compiler.passes.dedup_collectives import deduplicate_collectives
@@ -326,3 +327,36 @@ def _write_a_view_of_x(b, x):
 def test_dedup_keeps_collectives_that_differ(variant):
     gm = deduplicate_collectives(_twice_reduced(**variant))
     assert _all_reduces(gm) == 2 and meta.NOTES not in gm.meta
+
+
+# ------------------------------------------------------------ bucketing: a plan's all_reduces
+
+
+def _plan_reduce(b, x, group):
+    """DTensor's all_reduce of ``x`` on ``group``, as the tracer marks it."""
+    marks = {meta.ROLE: meta.Role.COLLECTIVE, meta.MODEL_PARALLEL: group}
+    issue = b.call(c10d.all_reduce.default, x, "sum", group, region=BWD, val=x.meta["val"],
+                   **marks, **{meta.PLAN_PLACEMENT: ("tp", "P(sum)", "R")})
+    return issue, b.call(c10d.wait_tensor.default, issue, region=BWD, val=x.meta["val"], **marks)
+
+
+def test_plan_all_reduces_bucket_within_their_group_only():
+    """Three independent reductions on "tp" and one on "tp2": the "tp" ones become one
+    all_reduce, the other group's keeps its own; a reduction whose result is read before a
+    later one is issued, or that reads an earlier one's, starts a new bucket."""
+    b = _Builder()
+    xs = [b.input(f"x{i}", 3, role=meta.Role.INPUT) for i in range(6)]
+    _, w0 = _plan_reduce(b, xs[0], "tp")
+    _, w1 = _plan_reduce(b, xs[1], "tp")
+    _, other = _plan_reduce(b, xs[2], "tp2")
+    _, w2 = _plan_reduce(b, xs[3], "tp")
+    early = b.call(aten.mul.Tensor, w2, 2, region=BWD)  # read before the next one is issued
+    _, w3 = _plan_reduce(b, xs[4], "tp")
+    _, w4 = _plan_reduce(b, b.call(aten.add.Tensor, w3, xs[5], region=BWD), "tp")  # reads w3
+    gm = bucket_collectives(b.done(w0, w1, other, early, w4), first_bucket_cap_mb=1.0)
+    gm.graph.lint()
+    issues = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    by_group = [(n.args[2], n.meta.get(meta.BUCKET) is not None) for n in issues]
+    # w0 + w1 + w2 in one bucket; w3 alone (w2 is read before it); w4 alone (reads w3)
+    assert by_group == [("tp2", False), ("tp", True), ("tp", False), ("tp", False)], by_group
+    assert all(n.meta[meta.MODEL_PARALLEL] == n.args[2] for n in issues)
