@@ -213,11 +213,15 @@ def _bucketing(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
 
 def _schedule(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
     """Under Inductor the fused optimizer kernels run outside the compiled regions, so each one
-    splits the graph: fully_shard's updates then stay after the backward."""
+    splits the graph: fully_shard's updates then stay after the backward. A tensor-parallel
+    plan's waits (which the schedule leaves where they were recorded) are then sunk to their
+    first use, as replicate's overlap stage does."""
     mode = b.options.mode
-    return schedule_for_memory(gm, prefetch_cap_mb=mode.prefetch_cap_mb,
-                               reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
-                               updates_in_backward=b.options.backend == "eager")
+    gm = schedule_for_memory(gm, prefetch_cap_mb=mode.prefetch_cap_mb,
+                             reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
+                             updates_in_backward=b.options.backend == "eager")
+    # the schedule orders data parallelism's collectives; a tensor-parallel plan's wait where used
+    return sink_waits(gm, only=lambda w: meta.MODEL_PARALLEL in w.meta) if mode.overlap else gm
 
 
 def _lower(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
