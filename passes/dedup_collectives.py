@@ -2,11 +2,11 @@
 
 Eager DTensor reduces a ``Partial`` tensor each time an op needs it whole: a gradient left
 ``Partial`` by sequence parallelism and read by three ops of the optimizer is all-reduced three
-times, and a whole-step recording keeps all three. This pass keeps the first of the functional
-collectives that take the same input with the same arguments (same op, reduction and group) and
-makes the later ones' readers read its result (the ancestor ``_spmd`` deduplicated them too).
+times, and a whole-step recording keeps all three. This pass keeps the first of the
+``all_reduce``s that take the same input with the same reduction and group and makes the later
+ones' readers read its result (the ancestor ``_spmd`` deduplicated them too).
 
-Reads: the graph's ``_c10d_functional`` issue nodes and their ``wait_tensor`` nodes, the
+Reads: the graph's ``all_reduce`` issue nodes and their ``wait_tensor`` nodes, the
 schemas of the ops between two equal collectives (which arguments they write), and
 ``node.meta["val"]`` (to see which tensors share storage).
 
@@ -26,10 +26,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import meta
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 
 def deduplicate_collectives(gm: fx.GraphModule) -> fx.GraphModule:
-    """Remove collectives that repeat an earlier one on the same value (module docstring)."""
+    """Remove all_reduces that repeat an earlier one on the same value (module docstring)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first: dict[tuple, fx.Node] = {}
     removed = 0
@@ -58,11 +59,12 @@ def deduplicate_collectives(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _key(node: fx.Node) -> tuple | None:
-    """What makes two collective issue nodes equal: op and arguments (the input node itself)."""
-    if node.op != "call_function" or getattr(node.target, "namespace", None) != "_c10d_functional" \
-            or node.target is _WAIT or node.kwargs or _wait_of(node) is None:
+    """What makes two all_reduces equal: their arguments (the input node itself, reduction,
+    group). Only reductions: a gather repeated on purpose (a parameter gathered again for the
+    backward so that its full copy is not kept from the forward) stays."""
+    if node.target is not _ALL_REDUCE or node.kwargs or _wait_of(node) is None:
         return None
-    return (node.target, *node.args)
+    return tuple(node.args)
 
 
 def _wait_of(node: fx.Node) -> fx.Node | None:
