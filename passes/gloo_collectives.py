@@ -50,7 +50,8 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     into a copy of the shard into this rank's rows of ``buf`` and one in-place ``broadcast_``
     of every rank's rows from that rank; its ``wait_tensor`` into a wait per broadcast.
 
-    Reads: all_gather_into_tensor_out nodes and their waits. Writes: those nodes; recompiles.
+    Reads: all_gather_into_tensor_out nodes and their waits. Writes: those nodes, and
+    ``gm.meta[RANK_SPECIFIC]`` (the rank's rows are baked in); recompiles.
     """
     graph = gm.graph
     for node in list(graph.nodes):
@@ -63,7 +64,7 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
         if (group is None or group[1] != world or not _cpu_static(buf.meta.get("val"))
                 or any(w.target is not c10d.wait_tensor.default for w in waits)):
             continue
-        rank = group[0]
+        rank, gm.meta[meta.RANK_SPECIFIC] = group[0], True
         rows = buf.meta["val"].shape[0] // world
         with graph.inserting_before(node):
             slices = [_call(graph, aten.slice.Tensor, (buf, 0, r * rows, (r + 1) * rows), node,
@@ -91,7 +92,8 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
     nothing else reads (``owned(x, node)``) into an in-place ``all_reduce_`` of ``x`` and, at
     its wait, a copy of this rank's rows of it into a new (``empty``) tensor.
 
-    Reads: reduce_scatter_tensor nodes and their waits. Writes: those nodes; recompiles.
+    Reads: reduce_scatter_tensor nodes and their waits. Writes: those nodes, and
+    ``gm.meta[RANK_SPECIFIC]``; recompiles.
     """
     graph = gm.graph
     for node in list(graph.nodes):
@@ -103,7 +105,7 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
         if (group is None or group[1] != world or not _cpu_static(x.meta.get("val"))
                 or not owned(x, node) or any(w.target is not c10d.wait_tensor.default for w in waits)):
             continue
-        rank = group[0]
+        rank, gm.meta[meta.RANK_SPECIFIC] = group[0], True
         rows = x.meta["val"].shape[0] // world
         with graph.inserting_before(node):
             reduced = _call(graph, c10d.all_reduce_.default, (x, op, name), x)

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import cache, compile_log, guards, saving
+from . import cache, compile_log, guards, saving, shared_compile
 from .accumulation import KeptGradients
 from .consistency import (
     CACHED,
@@ -157,9 +157,16 @@ class CompiledStep:
             dynamic, why = self._shapes.dims_to_trace(sa, group)
             disk, stored = cache.lookup(_disk_cache(self), sa, dynamic, group, self.check_ranks,
                                         fn=self.fn, options=_cache_options(self))
+        received = None
         try:
-            refuse_bound(sa.module)
-            ready = stored if stored is not None else self._build(sa, mesh, key, dynamic, why)
+            if stored is None and self.check_ranks and dist.get_world_size(group) > 1:
+                ready, received = shared_compile.build_jointly(  # one compile per job
+                    self, sa, mesh, group, dynamic, check=lambda: refuse_bound(sa.module),
+                    build=lambda: self._build(sa, mesh, key, dynamic, why),
+                    fits=lambda r: self._fits(r, sa))
+            else:
+                refuse_bound(sa.module)
+                ready = stored if stored is not None else self._build(sa, mesh, key, dynamic, why)
             description = describe_program(sa, ready.graph, ready.traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
@@ -172,9 +179,17 @@ class CompiledStep:
         compile_log.announce(self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
                              ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
-        if stored is None and disk is not None:
+        if received is not None and disk is not None:
+            shared_compile.save(disk, received)
+        elif stored is None and disk is not None:
             cache.save(*disk, sa, self.fn, entry, ready, entry_summary(entry))
         return entry
+
+    def _fits(self, ready: "_Ready", sa: StepArgs) -> bool:
+        """Does a program built on another rank serve this rank's inputs?"""
+        probe = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, None, {},
+                              values=guards.bind(ready.traced, self.fn, sa))
+        return probe.guards_hold(graph_inputs(sa), lifted_hparams(sa))
 
     def _install(self, sa: StepArgs, mesh, ready: "_Ready") -> CompiledGraph:
         """Place the live state for the program and keep it as the newest."""
