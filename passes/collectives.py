@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from . import meta
@@ -87,3 +88,19 @@ def joined(tensor: torch.Tensor, *waited: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself: a graph node that reads ``waited`` (the waits of collectives writing
     into ``tensor``) so that its users run after all of them."""
     return tensor
+
+
+def _rank(name) -> int:
+    return dist.distributed_c10d._resolve_process_group(name).rank()
+
+
+def rank_rows(buf: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """This rank's ``rows`` rows of ``buf`` (a view), the rank in group ``name`` looked up when
+    the step runs: the program holds no rank and serves every rank of the group."""
+    return buf.narrow(0, _rank(name) * rows, rows)
+
+
+def source_rows(own: torch.Tensor, rows: torch.Tensor, src: int, name: str) -> torch.Tensor:
+    """What a broadcast from ``src`` sends or receives: ``own`` (the rows this rank just wrote)
+    when this rank is ``src``, else ``rows`` (the same buffer)."""
+    return own if _rank(name) == src else rows

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from . import meta
-from .collectives import aten, c10d, joined
+from .collectives import aten, c10d, joined, rank_rows, source_rows
 
 
 def _group(name):
@@ -50,8 +50,7 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     into a copy of the shard into this rank's rows of ``buf`` and one in-place ``broadcast_``
     of every rank's rows from that rank; its ``wait_tensor`` into a wait per broadcast.
 
-    Reads: all_gather_into_tensor_out nodes and their waits. Writes: those nodes, and
-    ``gm.meta[RANK_SPECIFIC]`` (the rank's rows are baked in); recompiles.
+    Reads: all_gather_into_tensor_out nodes and their waits. Writes: those nodes; recompiles.
     """
     graph = gm.graph
     for node in list(graph.nodes):
@@ -64,14 +63,15 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
         if (group is None or group[1] != world or not _cpu_static(buf.meta.get("val"))
                 or any(w.target is not c10d.wait_tensor.default for w in waits)):
             continue
-        rank, gm.meta[meta.RANK_SPECIFIC] = group[0], True
         rows = buf.meta["val"].shape[0] // world
         with graph.inserting_before(node):
             slices = [_call(graph, aten.slice.Tensor, (buf, 0, r * rows, (r + 1) * rows), node,
                             buf.meta["val"][r * rows:(r + 1) * rows]) for r in range(world)]
-            own = _call(graph, aten.copy_.default, (slices[rank], shard), slices[rank])
-            issued = [_call(graph, c10d.broadcast_.default, (own if r == rank else s, r, name), s)
-                      for r, s in enumerate(slices)]
+            mine = _call(graph, rank_rows, (buf, rows, name), slices[0])
+            own = _call(graph, aten.copy_.default, (mine, shard), mine)
+            sources = [_call(graph, source_rows, (own, s, r, name), s) for r, s in enumerate(slices)]
+            issued = [_call(graph, c10d.broadcast_.default, (s, r, name), s)
+                      for r, s in enumerate(sources)]
         for issue in issued:
             issue.meta[meta.ROLE] = meta.Role.COLLECTIVE
             issue.meta[meta.COLLECTIVE] = dict(node.meta.get(meta.COLLECTIVE) or {}, kind="broadcast")
@@ -92,8 +92,7 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
     nothing else reads (``owned(x, node)``) into an in-place ``all_reduce_`` of ``x`` and, at
     its wait, a copy of this rank's rows of it into a new (``empty``) tensor.
 
-    Reads: reduce_scatter_tensor nodes and their waits. Writes: those nodes, and
-    ``gm.meta[RANK_SPECIFIC]``; recompiles.
+    Reads: reduce_scatter_tensor nodes and their waits. Writes: those nodes; recompiles.
     """
     graph = gm.graph
     for node in list(graph.nodes):
@@ -105,7 +104,6 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
         if (group is None or group[1] != world or not _cpu_static(x.meta.get("val"))
                 or not owned(x, node) or any(w.target is not c10d.wait_tensor.default for w in waits)):
             continue
-        rank, gm.meta[meta.RANK_SPECIFIC] = group[0], True
         rows = x.meta["val"].shape[0] // world
         with graph.inserting_before(node):
             reduced = _call(graph, c10d.all_reduce_.default, (x, op, name), x)
@@ -113,7 +111,7 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
         for wait in waits:
             with graph.inserting_before(wait):
                 done = _call(graph, c10d.wait_tensor.default, (reduced,), reduced)
-                mine = _call(graph, aten.slice.Tensor, (done, 0, rank * rows, (rank + 1) * rows), wait)
+                mine = _call(graph, rank_rows, (done, rows, name), wait)
                 val = wait.meta["val"]
                 empty = graph.call_function(aten.empty.memory_format, (list(val.shape),),
                                             {"dtype": val.dtype, "device": val.device})

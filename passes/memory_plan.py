@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch._library._out_variant import get_out_arg_names, to_out_variant
 
 from . import meta
-from .collectives import aten, c10d, joined
+from .collectives import aten, c10d, joined, rank_rows, source_rows
 
 ALIGN = 64
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
@@ -62,7 +62,7 @@ def alias_source(node: fx.Node) -> fx.Node | None:
     wait_tensor), or None when the node allocates its result."""
     if node.op != "call_function":
         return None
-    if node.target in (operator.getitem, c10d.wait_tensor.default, joined):
+    if node.target in (operator.getitem, c10d.wait_tensor.default, joined, rank_rows, source_rows):
         return node.args[0] if isinstance(node.args[0], fx.Node) else None
     schema = getattr(node.target, "_schema", None)
     if schema is None or len(schema.returns) != 1 or schema.returns[0].alias_info is None:

@@ -71,9 +71,6 @@ NOTES = "spmd_notes"
 # list[str]: the process group name of each mesh dim, outermost first (passes/expand.py), so a
 # collective's group names the mesh dim it runs on.
 MESH_DIMS = "spmd_mesh_dims"
-# True once a lowering pass wrote this rank's index into the graph (passes/gloo_collectives.py):
-# the program then serves this rank only, and is not handed to the other ranks.
-RANK_SPECIFIC = "spmd_rank_specific"
 
 # Written by the tracer for parameters whose unshard it records (FSDP2's all-gather extensions,
 # spmd_compiler/subclass_params.py). str: the parameter's fqn, on its PARAM placeholders (the

@@ -14,9 +14,12 @@ local batch size differs shares the program when the batch dim is a symbol; a ra
 differs, or for which the received program does not hold, builds its own. The cross-rank
 agreement on the program (consistency.agree_on_program) follows as before, on every rank.
 
-A program the builder cannot share is built by every rank of its set: one that holds this rank's
-index (``passes.meta.RANK_SPECIFIC``: gloo's gather and scatter as broadcasts, fully_shard and
-hybrid_shard on CPU), one that cannot be packed (a global of its code not importable by name).
+A program the builder cannot share is built by every rank of its set: one whose recording asked
+for the rank (``dist.get_rank()``, a mesh's ``get_rank``/``get_coordinate`` called from the
+user's code: another rank may take another branch; torch_internals.rank_queries), one that
+cannot be packed (a global of its code not importable by name). Programs hold no rank of their own: a collective's group is named, and
+the rows a rank gathers or keeps are looked up in that group when the step runs
+(passes/collectives.py ``rank_rows``).
 An error while building reaches every rank of the set as a ``RankMismatchError`` naming the
 builder, and then raises on every rank in the agreement.
 
@@ -42,9 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from spmd_compiler.passes import meta
-
-from . import cache
+from . import cache, torch_internals
 from .consistency import RankMismatchError, exchange_objects
 from .tracing import StepArgs
 
@@ -118,13 +119,15 @@ def build_jointly(step, sa: StepArgs, mesh, group, dynamic: dict, *, check: Call
         error = e
     sets = plan(key if error is None else None, group)
     ready = mine = None
-    if sets.builds and error is None:
-        try:
-            ready = build()
-        except Exception as e:  # noqa: BLE001 - sent to the ranks waiting for this program
-            error = e
+    with torch_internals.rank_queries() as asked:
+        if sets.builds and error is None:
+            try:
+                ready = build()
+            except Exception as e:  # noqa: BLE001 - sent to the ranks waiting for this program
+                error = e
     if sets.builds and sets.followers(sets.rank):
-        mine = payload(sets, sa, step.fn, ready, error)
+        mine = _wrap(("own", f"the step asked for its rank ({asked[0]})")) if asked and \
+            error is None else payload(sets, sa, step.fn, ready, error)
     blob = broadcast(sets, mine, group)
     program = None
     if blob is not None:
@@ -148,8 +151,6 @@ def payload(sets: Sets, sa: StepArgs, fn: Callable, ready, error: Exception | No
     """What the builder sends: its error, the reason it cannot share, or its packed program."""
     if error is not None:
         return _wrap(("error", f"{type(error).__name__}: {error}"))
-    if getattr(ready.runnable, "meta", {}).get(meta.RANK_SPECIFIC):
-        return _wrap(("own", "it holds the builder's rank (gloo gathers and scatters)"))
     try:
         program = cache.pack(sets.key, ready.traced, ready.runnable, ready.guard_code,
                              ready.graph, ready.num_nodes, ready.seconds, _summary(ready),
