@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import cache, compile_log, guards, saving, shared_compile
+from . import cache, compile_log, guards, optimizer_state, saving, shared_compile
 from .accumulation import KeptGradients
 from .consistency import (
     CACHED,
@@ -141,7 +141,7 @@ class CompiledStep:
                 with communication_failures("the per-call agreement between ranks"):
                     choice = agree_on_call(CACHED if fits else COMPILE, batch, group, fits,
                                            len(self._programs))
-        entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
+        entry = self._programs[choice] if choice is not None else _compile(self, sa, mesh, key)
         with torch.no_grad():
             out = entry(sa, dp_mesh, hparams, self._kept.grads)
         run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
@@ -159,14 +159,8 @@ class CompiledStep:
                                         fn=self.fn, options=_cache_options(self))
         received = None
         try:
-            if stored is None and self.check_ranks and dist.get_world_size(group) > 1:
-                ready, received = shared_compile.build_jointly(  # one compile per job
-                    self, sa, mesh, group, dynamic, check=lambda: refuse_bound(sa.module),
-                    build=lambda: self._build(sa, mesh, key, dynamic, why),
-                    fits=lambda r: self._fits(r, sa))
-            else:
-                refuse_bound(sa.module)
-                ready = stored if stored is not None else self._build(sa, mesh, key, dynamic, why)
+            ready, received = _obtain(self, sa, mesh, group, stored,
+                                      lambda: self._build(sa, mesh, key, dynamic, why), dynamic)
             description = describe_program(sa, ready.graph, ready.traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
@@ -179,17 +173,9 @@ class CompiledStep:
         compile_log.announce(self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
                              ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
-        if received is not None and disk is not None:
-            shared_compile.save(disk, received)
-        elif stored is None and disk is not None:
-            cache.save(*disk, sa, self.fn, entry, ready, entry_summary(entry))
+        if stored is None and disk is not None:
+            _save(self, disk, received, sa, entry, ready)
         return entry
-
-    def _fits(self, ready: "_Ready", sa: StepArgs) -> bool:
-        """Does a program built on another rank serve this rank's inputs?"""
-        probe = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, None, {},
-                              values=guards.bind(ready.traced, self.fn, sa))
-        return probe.guards_hold(graph_inputs(sa), lifted_hparams(sa))
 
     def _install(self, sa: StepArgs, mesh, ready: "_Ready") -> CompiledGraph:
         """Place the live state for the program and keep it as the newest."""
@@ -217,6 +203,39 @@ class CompiledStep:
             self, self._data_mesh.dims(mesh, sa), dynamic, self._data_mesh(mesh, sa)))
         return _Ready(program.final_traced, program.runnable, program.guard_code, program.seconds,
                       describe_graph(program.gm), len(program.gm.graph.nodes))
+
+
+def _compile(step: CompiledStep, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
+    """Compile a new program; Adam's and AdamW's first-step state made first, so that their
+    first call compiles the steady program (optimizer_state.py): one compile, not two."""
+    with optimizer_state.made_before_recording(sa.optimizers, bool(step._kept.mode)):
+        return step._compile(sa, mesh, key)
+
+
+def _obtain(step: CompiledStep, sa: StepArgs, mesh, group, stored, build: Callable, dynamic):
+    """(the program: loaded from the disk cache, built here or received from the rank that
+    built it, the StoredProgram received or None); see shared_compile.py."""
+    if stored is None and step.check_ranks and dist.get_world_size(group) > 1:
+        return shared_compile.build_jointly(step, sa, mesh, group, dynamic,
+                                            check=lambda: refuse_bound(sa.module), build=build,
+                                            fits=lambda ready: _fits(step, ready, sa))
+    refuse_bound(sa.module)
+    return (stored if stored is not None else build()), None
+
+
+def _save(step: CompiledStep, disk: tuple[str, str], received, sa: StepArgs, entry, ready) -> None:
+    """Store a program built here, or received from the rank that built it, on disk."""
+    if received is not None:
+        shared_compile.save(disk, received)
+    else:
+        cache.save(*disk, sa, step.fn, entry, ready, entry_summary(entry))
+
+
+def _fits(step: CompiledStep, ready: "_Ready", sa: StepArgs) -> bool:
+    """Does a program built on another rank serve this rank's inputs?"""
+    probe = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, None, {},
+                          values=guards.bind(ready.traced, step.fn, sa))
+    return probe.guards_hold(graph_inputs(sa), lifted_hparams(sa))
 
 
 def _why_again(step: CompiledStep, key: tuple, static=compile_log.reason) -> str | None:

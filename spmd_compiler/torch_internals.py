@@ -403,6 +403,13 @@ def rank_queries():
         yield seen
 
 
+def init_adam_state(opt: torch.optim.Optimizer, group: dict) -> None:
+    """Adam's (and AdamW's) own lazy state initialisation (``Adam._init_group``) for the
+    parameters of ``group`` that have a gradient, as its first ``step()`` makes it."""
+    lists: list[list] = [[] for _ in range(6)]
+    opt._init_group(group, *lists)
+
+
 @contextlib.contextmanager
 def tag_regions():
     """While recording: nodes recorded before and inside ``torch.autograd.backward`` (what

@@ -86,8 +86,11 @@ def test_rank0_compiles_the_others_receive_and_match_ddp(pool, mode, optim):
     results = pool.run(parity_job, mode, "train_step", [8, 5], optim, timeout=300)
     for rank, res in enumerate(results):
         assert not res["problems"], f"rank {rank}: {res['problems'][:5]}"
-        assert res["compiles"] == 2  # the state-creating program, then the steady one
-        assert res["received"] == [rank > 0] * 2, f"rank {rank}: {res['received']}"
+        # Adam: its first-step state made before recording, one program; SGD with momentum:
+        # the state-creating program, then the steady one
+        programs = 1 if optim == "adam" else 2
+        assert res["compiles"] == programs
+        assert res["received"] == [rank > 0] * programs, f"rank {rank}: {res['received']}"
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
