@@ -172,8 +172,9 @@ _CLIP_STEPS = ("clip_step", "clip_step_loop", "clip_step_inf")
 # name -> case. "optim": (class name, kwargs); "raf": reshard_after_forward; "batch_dim":
 # input_batch_dim (1: inputs are (features, batch)); "compiles": expected compile_count after all
 # steps (an optimizer that creates state compiles twice: once creating it, once for the steady
-# state; Adam and AdamW once, their state made before recording); "bwd_gathers": the parameters whose gathered value the backward reads (the weight of
-# every layer whose input gradient is needed), gathered a second time when raf is True.
+# state; Adam and AdamW once, their state made before recording); "bwd_gathers": the parameters
+# whose gathered value the backward reads (the weight of every layer whose input gradient is
+# needed), gathered a second time when raf is True.
 _MLP_BWD = ["net2.weight"]
 CASES: dict[str, dict] = {
     # The seed's fully_shard cases.
