@@ -151,7 +151,7 @@ class CompiledStep:
         """Build the program (or load it from the disk cache), check that every rank has the
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
-        why_again = _why_again(self, key)
+        why_again = _why_again(self, key, sa)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
@@ -196,7 +196,7 @@ class CompiledStep:
 
     def _build(self, sa: StepArgs, mesh, key, dynamic, why) -> "_Ready":
         if self._last_key is not None:
-            info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, _why))
+            info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, sa, _why))
         if why:
             info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         program = build_program(self.fn, sa, build_options(
@@ -238,11 +238,14 @@ def _fits(step: CompiledStep, ready: "_Ready", sa: StepArgs) -> bool:
     return probe.guards_hold(graph_inputs(sa), lifted_hparams(sa))
 
 
-def _why_again(step: CompiledStep, key: tuple, static=compile_log.reason) -> str | None:
+def _why_again(step: CompiledStep, key: tuple, sa: StepArgs,
+               static=compile_log.reason) -> str | None:
     """Why ``step`` compiles again for the static ``key``: a Python value its newest program for
-    ``key`` read changed (guards.py; numbers among them become inputs), or what changed in the
-    static key (``static(old key, key)``)."""
+    ``key`` read changed (guards.py; numbers among them become inputs), a guard of that program
+    the call's inputs fail (compile_log.guard_miss), or what changed in the static key
+    (``static(old key, key)``)."""
     return (guards.recompile_reason(step._programs, key, step._lifts)
+            or compile_log.guard_miss(step._programs, key, sa)
             or static(step._last_key, key))
 
 
