@@ -81,7 +81,8 @@ class CompiledStep:
         self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory
         self.cache_dir = cache_dir
         self.mesh = mesh  # None: the 1-D mesh over the default process group
-        # Every program compiled so far, in compile order. Every rank compiles together, so
+        # Every program compiled so far, in compile order. Every rank compiles together (or
+        # receives the program the rank that built it sends: shared_compile.py), so
         # program k exists on every rank and communicates the same on all of them (the per-call
         # agreement relies on it).
         self._programs: list[CompiledGraph] = []
@@ -375,7 +376,8 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     runnable = program.runnable
     created = sorted({k for _, k in program.final_traced.new_state_keys})
     notes = {"optimizer state": f"0 B so far: the optimizer creates its state ({', '.join(created)}) "
-             f"on its first step; the step then compiles once more with it"} if created else None
+             f"on its first step; the compiled step makes Adam's and AdamW's before recording (one "
+             f"compile), other optimizers' in a first program of their own"} if created else None
     summary = summarize(program.gm, compile_times=program.seconds, notes=notes,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:

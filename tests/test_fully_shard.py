@@ -415,7 +415,8 @@ def _run_case(case: dict) -> dict:
         gathered = p.redistribute(placements=[Replicate()]).to_local()
         chk.check(torch.equal(gathered, p.full_tensor()),
                   f"{name}: redistribute(Replicate()).to_local() differs from full_tensor()")
-    graph = graph_collectives(compiled.last_compiled.traced.gm)
+    gm = compiled.last_compiled.traced.gm  # None on a rank that received the program
+    graph = graph_collectives(gm) if gm is not None else None
     params = {n: tuple(p.shape) for n, p in _unique_params(model)}
     return dict(max_err=chk.max_err, problems=chk.problems, counts=counts, norms=norms,
                 graph=graph, params=params)

@@ -82,7 +82,8 @@ def mixed_precision_job(style: str, reduce_dtype, output_dtype, divide: str) -> 
         for name, p in model.named_parameters():
             chk.check(p.dtype == torch.float32, f"step {i}: {name} is {p.dtype}, not float32")
     return dict(max_err=chk.max_err, problems=chk.problems,
-                collectives=_collective_dtypes(compiled.last_compiled.traced.gm))
+                collectives=_collective_dtypes(compiled.last_compiled.traced.gm)
+                if dist.get_rank() == 0 else None)  # rank 0 builds; the others may receive it
 
 
 def _collective_dtypes(gm) -> dict[str, dict[str, int]]:
