@@ -159,7 +159,12 @@ def payload(sets: Sets, sa: StepArgs, fn: Callable, ready, error: Exception | No
         program, why = None, f"{type(e).__name__}: {e}"
     else:
         why = "it cannot be packed (see the log)"
-    return _wrap(("program", program) if program is not None else ("own", why))
+    if program is not None:
+        try:
+            return _wrap(("program", program))
+        except Exception as e:  # noqa: BLE001 - the others wait for an answer: send the reason
+            why = f"it cannot be pickled ({type(e).__name__}: {e})"
+    return _wrap(("own", why))
 
 
 def _summary(ready):
