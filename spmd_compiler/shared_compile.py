@@ -20,8 +20,9 @@ user's code: another rank may take another branch; torch_internals.rank_queries)
 cannot be packed (a global of its code not importable by name). Programs hold no rank of their own: a collective's group is named, and
 the rows a rank gathers or keeps are looked up in that group when the step runs
 (passes/collectives.py ``rank_rows``).
-An error while building reaches every rank of the set as a ``RankMismatchError`` naming the
-builder, and then raises on every rank in the agreement.
+An error while building reaches every rank of the set: an SPMDError (the user's step or
+arguments) is raised there as the builder raised it, with a note naming the builder; anything
+else as a ``RankMismatchError`` naming the builder and the error.
 
 Sharing needs the eager backend, no per-stage dumps (each rank's dumps show its own compile), no
 gradient accumulation, ``check_ranks`` (every rank compiles together) and a 1-D mesh without a
@@ -47,6 +48,7 @@ import torch.distributed as dist
 
 from . import cache, torch_internals
 from .consistency import RankMismatchError, exchange_objects
+from .errors import SPMDError
 from .tracing import StepArgs
 
 log = logging.getLogger("spmd_compiler")
@@ -150,7 +152,7 @@ def save(disk: tuple[str, str], received: cache.StoredProgram) -> None:
 def payload(sets: Sets, sa: StepArgs, fn: Callable, ready, error: Exception | None) -> bytes:
     """What the builder sends: its error, the reason it cannot share, or its packed program."""
     if error is not None:
-        return _wrap(("error", f"{type(error).__name__}: {error}"))
+        return _wrap(("error", (f"{type(error).__name__}: {error}", _picklable(error))))
     try:
         program = cache.pack(sets.key, ready.traced, ready.runnable, ready.guard_code,
                              ready.graph, ready.num_nodes, ready.seconds, _summary(ready),
@@ -165,6 +167,17 @@ def payload(sets: Sets, sa: StepArgs, fn: Callable, ready, error: Exception | No
         except Exception as e:  # noqa: BLE001 - the others wait for an answer: send the reason
             why = f"it cannot be pickled ({type(e).__name__}: {e})"
     return _wrap(("own", why))
+
+
+def _picklable(error: Exception) -> bytes | None:
+    """An SPMDError (the user's mistake, the same on every rank), pickled to be raised on the
+    ranks that waited for the program; None for anything else (they raise RankMismatchError)."""
+    if not isinstance(error, SPMDError):
+        return None
+    try:
+        return pickle.dumps(error)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _summary(ready):
@@ -223,9 +236,13 @@ def receive(sets: Sets, blob: bytes, fn: Callable, sa: StepArgs, fits: Callable)
         log.info("spmd_compiler: the program from rank %d refused (%s); compiling", leader, e)
         return None, None, None
     if kind == "error":
-        return None, RankMismatchError(f"compiling the step failed on rank {leader}, which "
-                                       f"compiles it for ranks {sets.followers(leader)}: "
-                                       f"{value}"), None
+        text, same = value
+        where = f"rank {leader}, which compiles the step for ranks {sets.followers(leader)}"
+        if same is not None:  # the builder's own error, as every rank would have raised it
+            error = pickle.loads(same)
+            error.add_note(f"raised while compiling on {where}")
+            return None, error, None
+        return None, RankMismatchError(f"compiling the step failed on {where}: {text}"), None
     if kind == "own":
         log.info("spmd_compiler: rank %d's program is its own (%s); compiling", leader, value)
         return None, None, None
