@@ -838,7 +838,8 @@ def test_unbatched_input_with_none_batch_dim(pool, mode):
 def test_batch_dim_1_and_short_batch(pool, mode):
     for rep in _case(pool, "batch_dim_1", mode):
         counts = rep["facts"]["counts"]
-        assert counts == [1, 2, 2], f"expected state creation, steady state, no recompile: {counts}"
+        # Adam: its first-step state is made before recording (optimizer_state.py), one program
+        assert counts == [1, 1, 1], f"expected one program, no recompile: {counts}"
 
 
 @runs("labels_float64")
@@ -957,7 +958,7 @@ def test_eager_step_after_compiled_steps_matches_ddp(pool, mode):
         assert not rep["problems"], rep["problems"]
         assert rep["facts"]["placements"] == [
             "(Replicate(),)" if mode == "replicate" else "(Shard(dim=0),)"]
-        assert rep["facts"]["count"] == 2
+        assert rep["facts"]["count"] == 1  # Adam: one program (optimizer_state.py)
 
 
 @runs("eval_train_dropout")
