@@ -1,13 +1,14 @@
 """One compile per job: the ranks that would build the same program let the first of them build
-it and receive it through the process group.
+it and receive it through the job's key-value store.
 
 Every rank computes the program cache's key of its compile (cache.program_key) without its rank:
 the step function, the model's and optimizers' structure, the batch's structure with the sizes
 that are not symbols, the options, the world and its group, torch's and this package's versions.
 Ranks with equal keys form a set; the lowest rank of each set builds the program, packs it as the
 disk cache stores it (cache.pack: the generated Python, the constants, the traced fields, the
-shape and value guards) and broadcasts it, with the cache FORMAT, its key and a sha256 of its
-bytes, to the others, which unpack it and check it as a file from the disk cache is checked
+shape and value guards) and hands it, with the cache FORMAT, its key and a sha256 of its
+bytes, to the others through the job's key-value store (a wait there has its own time limit,
+not the collectives'), which unpack it and check it as a file from the disk cache is checked
 (cache.usable: the description of the arguments, the value guards on their own objects) and
 then against their own inputs (the shape guards, the sizes held as constants). A rank whose
 local batch size differs shares the program when the batch dim is a symbol; a rank whose key
@@ -34,11 +35,12 @@ against a transfer gone wrong, the guards against a program that does not fit.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
+import datetime
 import hashlib
 import inspect
 import logging
+import os
 import pickle
 import time
 from typing import Any, Callable
@@ -206,22 +208,30 @@ def _unwrap(blob: bytes, key: str | None) -> tuple[str, Any]:
     return kind, value
 
 
+WAIT_SECONDS = float(os.environ.get("SPMD_SHARED_COMPILE_WAIT_S", 3600))
+_ROUNDS: dict[str, int] = {}  # per group: programs shared so far (the same count on its ranks)
+
+
 def broadcast(sets: Sets, mine: bytes | None, group) -> bytes | None:
-    """Each builder with followers broadcasts its bytes (length, then bytes) over ``group``;
-    returns what this rank's builder sent (None if this rank builds)."""
-    got = None
-    for leader in sorted(set(sets.leader)):
-        if not sets.followers(leader):
-            continue
-        src = dist.get_global_rank(group, leader)
-        length = torch.tensor([len(mine) if leader == sets.rank else 0], dtype=torch.int64)
-        dist.broadcast(length, src, group=group)
-        buf = torch.zeros(int(length), dtype=torch.uint8) if leader != sets.rank else \
-            torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-        dist.broadcast(buf, src, group=group)
-        if leader == sets.leader[sets.rank] and leader != sets.rank:
-            got = ctypes.string_at(buf.data_ptr(), buf.numel())
-    return got
+    """Each builder with followers puts its bytes in the default store under a key of the group
+    and the round; a follower waits for its builder's (up to ``SPMD_SHARED_COMPILE_WAIT_S``,
+    default an hour: a compile may take longer than the process group's collective timeout)
+    and the last follower to read removes them. Returns what this rank's builder sent (None if
+    this rank builds)."""
+    name = group.group_name
+    round_ = _ROUNDS[name] = _ROUNDS.get(name, -1) + 1
+    store = torch_internals.default_store()
+    key = f"spmd_compiler/shared/{name}/{round_}/{sets.leader[sets.rank]}"
+    if sets.builds:
+        if sets.followers(sets.rank):
+            store.set(key, mine)
+        return None
+    store.wait([key], datetime.timedelta(seconds=WAIT_SECONDS))
+    blob = store.get(key)
+    if store.add(key + "/read", 1) == len(sets.followers(sets.leader[sets.rank])):
+        store.delete_key(key)
+        store.delete_key(key + "/read")
+    return bytes(blob)
 
 
 def receive(sets: Sets, blob: bytes, fn: Callable, sa: StepArgs, fits: Callable):

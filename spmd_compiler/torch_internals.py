@@ -403,6 +403,13 @@ def rank_queries():
         yield seen
 
 
+def default_store():
+    """The default process group's key-value store (its rendezvous store)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
 def init_adam_state(opt: torch.optim.Optimizer, group: dict) -> None:
     """Adam's (and AdamW's) own lazy state initialisation (``Adam._init_group``) for the
     parameters of ``group`` that have a gradient, as its first ``step()`` makes it."""
