@@ -18,9 +18,9 @@ agreement on the program (consistency.agree_on_program) follows as before, on ev
 A program the builder cannot share is built by every rank of its set: one whose recording asked
 for the rank (``dist.get_rank()``, a mesh's ``get_rank``/``get_coordinate`` called from the
 user's code: another rank may take another branch; torch_internals.rank_queries), one that
-cannot be packed (a global of its code not importable by name). Programs hold no rank of their own: a collective's group is named, and
-the rows a rank gathers or keeps are looked up in that group when the step runs
-(passes/collectives.py ``rank_rows``).
+cannot be packed (a global of its code not importable by name). A program that holds the rank
+is not shared at all: fully_shard on CPU (gloo's gathers and scatters written with this rank's
+rows, passes/gloo_collectives.py) compiles on every rank, as before.
 An error while building reaches every rank of the set: an SPMDError (the user's step or
 arguments) is raised there as the builder raised it, with a note naming the builder; anything
 else as a ``RankMismatchError`` naming the builder and the error.
@@ -82,7 +82,15 @@ def eligible(step, sa: StepArgs, mesh) -> bool:
 
     return (step.check_ranks and step.backend == "eager" and not step.dump_dir
             and not step._kept.mode and mesh.ndim == 1 and not has_plan(sa.module)
-            and not extension_key(sa.module))
+            and not extension_key(sa.module) and not _rank_in_program(step, mesh))
+
+
+def _rank_in_program(step, mesh) -> bool:
+    """Does the lowering write this rank's index into the program? passes/gloo_collectives.py
+    does for a sharded style on CPU (its gathers as broadcasts into this rank's rows)."""
+    from .parallel_mode import SHARDED_STYLES
+
+    return step.parallel_mode.parallel_style in SHARDED_STYLES and mesh.device_type == "cpu"
 
 
 def plan(key: str | None, group) -> Sets:

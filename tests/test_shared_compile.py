@@ -1,5 +1,5 @@
 """One compile per job (spmd_compiler/shared_compile.py): rank 0 builds, the others receive the
-program and train as DDP does; a rank whose program differs (a branch on its batch size or on
+program and train as DDP does (replicate; fully_shard on CPU compiles on every rank); a rank whose program differs (a branch on its batch size or on
 its rank) builds its own; an error while rank 0 builds reaches every rank."""
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ def test_rank0_compiles_the_others_receive_and_match_ddp(pool, mode, optim):
         # the state-creating program, then the steady one
         programs = 1 if optim == "adam" else 2
         assert res["compiles"] == programs
-        assert res["received"] == [rank > 0] * programs, f"rank {rank}: {res['received']}"
+        # fully_shard on CPU: gloo's gathers hold the rank, every rank compiles its own
+        shared = rank > 0 and mode == "replicate"
+        assert res["received"] == [shared] * programs, f"rank {rank}: {res['received']}"
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
