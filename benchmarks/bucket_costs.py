@@ -14,8 +14,8 @@ measures, on rank 0, the median wall time of:
 Prints a table and the fitted latency ``alpha`` (the fixed cost of one collective: the
 all_reduce time at the smallest sizes) and the copy bandwidth, and the size at which one copy
 costs more than ``alpha``: the own-collective threshold. A tensor below that size is cheaper to
-copy into a bucket than to send alone. The figures quoted in docs/benchmarks.md ("Bucketing on
-this machine") and the default ``DataParallel.own_collective_mb`` come from this script.
+copy into a bucket than to send alone. The figures quoted in docs/architecture.md ("Bucketing
+costs") and the default ``DataParallel.own_collective_mb`` come from this script.
 """
 
 from __future__ import annotations
