@@ -198,10 +198,25 @@ def bucket_collectives(
     return gm
 
 
-def _flatten_cat(graph, bucket, shape_of, dim, like):
-    pieces = [insert_call(graph, aten.reshape.default, (m.source, shape_of(m)),
-                          val=m.source.meta["val"].reshape(shape_of(m)), region=like.meta.get(meta.REGION))
-              for m in bucket]
+def _transposed_base(node: fx.Node) -> fx.Node | None:
+    """The contiguous tensor whose transpose ``node`` is (through ``detach``), if it is one: a
+    weight gradient ``mm(...).t()``. An all-reduce is elementwise, so the bucket may hold it in
+    that tensor's memory order and transpose the result back, instead of copying it twice
+    (once to make the transpose contiguous, once into the bucket)."""
+    while node.target is aten.detach.default:
+        node = node.args[0]
+    if node.target is not aten.t.default:
+        return None
+    base = node.args[0]
+    val = base.meta.get("val") if isinstance(base, fx.Node) else None
+    return base if isinstance(val, torch.Tensor) and val.dim() == 2 and val.is_contiguous() else None
+
+
+def _flatten_cat(graph, bucket, shape_of, dim, like, sources=None):
+    sources = sources or [m.source for m in bucket]
+    pieces = [insert_call(graph, aten.reshape.default, (src, shape_of(m)),
+                          val=src.meta["val"].reshape(shape_of(m)), region=like.meta.get(meta.REGION))
+              for m, src in zip(bucket, sources)]
     vals = [p.meta["val"] for p in pieces]
     return insert_call(graph, aten.cat.default, (pieces, dim), val=torch.cat(vals, dim),
                        region=like.meta.get(meta.REGION))
@@ -230,8 +245,10 @@ def _merge_all_reduce(graph: fx.Graph, bucket: list[_Member], index: int) -> Non
     last = bucket[-1].issue
     group = last.args[2]
     world = bucket[0].scale.args[1] if bucket[0].scale is not None else 1
+    bases = [_transposed_base(m.source) for m in bucket]
     with graph.inserting_before(last.next):
-        flat = _flatten_cat(graph, bucket, lambda m: [-1], 0, last)
+        flat = _flatten_cat(graph, bucket, lambda m: [-1], 0, last,
+                            [b if b is not None else m.source for m, b in zip(bucket, bases)])
         if world != 1:
             flat = insert_call(graph, aten.div.Tensor, (flat, world), like=flat)
         done = insert_collective(graph, c10d.all_reduce.default, (flat, "sum", group),
@@ -241,12 +258,11 @@ def _merge_all_reduce(graph: fx.Graph, bucket: list[_Member], index: int) -> Non
         done.meta[meta.BUCKET] = index
         offset = 0
         replaced = []
-        for m in bucket:
+        for m, base in zip(bucket, bases):
             n = _numel(m.source)
             piece = insert_call(graph, aten.slice.Tensor, (done, 0, offset, offset + n),
                                 val=flat.meta["val"][offset:offset + n], region=done.meta.get(meta.REGION))
-            shaped = insert_call(graph, aten.view.default, (piece, list(m.wait.meta["val"].shape)),
-                                 like=m.wait)
+            shaped = _shaped(graph, piece, m, base)
             for key in (meta.PLACEMENT,):
                 if key in m.wait.meta:
                     shaped.meta[key] = m.wait.meta[key]
@@ -254,6 +270,19 @@ def _merge_all_reduce(graph: fx.Graph, bucket: list[_Member], index: int) -> Non
             replaced.append((m, shaped))
     for m, new in replaced:  # after inserting: the members anchor the insertion point
         _replace_member(graph, m, new)
+
+
+def _shaped(graph: fx.Graph, piece: fx.Node, m: _Member, base: fx.Node | None) -> fx.Node:
+    """``piece`` of a reduced bucket viewed as ``m``'s result (transposed back when the bucket
+    holds its transposed base)."""
+    if base is None:
+        return insert_call(graph, aten.view.default, (piece, list(m.wait.meta["val"].shape)),
+                           like=m.wait)
+    shape = list(base.meta["val"].shape)
+    rows = insert_call(graph, aten.view.default, (piece, shape),
+                       val=piece.meta["val"].view(shape), region=piece.meta.get(meta.REGION))
+    return insert_call(graph, aten.t.default, (rows,), val=rows.meta["val"].t(),
+                       region=m.wait.meta.get(meta.REGION))
 
 
 def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
