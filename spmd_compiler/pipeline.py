@@ -208,7 +208,8 @@ def _bucketing(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
     mode = b.options.mode
     return bucket_collectives(gm, bucket_cap_mb=mode.bucket_cap_mb,
                               first_bucket_cap_mb=mode.first_bucket_cap_mb,
-                              own_collective_mb=mode.own_collective_mb)
+                              own_collective_mb=mode.own_collective_mb,
+                              gather_cap_mb=mode.prefetch_cap_mb, scatter_cap_mb=mode.reduce_cap_mb)
 
 
 def _schedule(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:

@@ -126,8 +126,9 @@ def test_bucketing_merges_gradients_in_production_order_with_a_small_first_bucke
     tr = _traced(opt_cls=torch.optim.Adam)
     gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
     produced = [n.meta[meta.COLLECTIVE]["params"][0] for n in _calls(gm, c10d.all_reduce.default)]
-    # net2's grads (1.1 KiB) fill a tiny first bucket; net1's (6.4 KiB) go to the next.
-    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    # net2's grads (1056 bytes) fill a tiny first bucket, which closes once it holds its cap
+    # (DDP's rule); net1's (6.4 KiB) go to the next.
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1056 / 2**20)
     reduces = _calls(gm, c10d.all_reduce.default)
     assert [r.meta[meta.COLLECTIVE]["params"] for r in reduces] == [produced[:2], produced[2:]]
     assert [r.args[0].meta["val"].numel() for r in reduces] == [8 + 256, 32 + 1600]
@@ -147,14 +148,17 @@ def test_bucketing_fully_shard_packs_shards_per_rank():
 
 @pytest.mark.parametrize("style", ["replicate", "fully_shard"])
 def test_bucketing_leaves_large_tensors_their_own_collective(style):
-    """net1.weight (6.4 KB) is at least own_collective_mb: its collectives are not merged (no
-    copy into a bucket); the three small tensors still share one bucket per collective kind."""
+    """net1.weight (6.4 KB) is at least own_collective_mb, and the caps put it in a bucket of its
+    own anyway: its collectives are not merged (no copy into a bucket); the three small tensors
+    still share one bucket per collective kind."""
     tr = _traced()
     if style == "replicate":
         gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
+        caps = dict(first_bucket_cap_mb=1184 / 2**20)  # net2's grads and net1.bias fill it
     else:
         gm = expand_fully_shard(tr.gm, group_name="g", world_size=WORLD)
-    gm = bucket_collectives(gm, own_collective_mb=4000 / 2**20)
+        caps = dict(gather_cap_mb=6400 / 2**20, scatter_cap_mb=6400 / 2**20)
+    gm = bucket_collectives(gm, own_collective_mb=4000 / 2**20, **caps)
     kinds = ([c10d.all_reduce.default] if style == "replicate"
              else [c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default])
     for kind in kinds:
@@ -167,6 +171,25 @@ def test_bucketing_leaves_large_tensors_their_own_collective(style):
             if n.meta[meta.COLLECTIVE]["params"] == ["net1.weight"]:
                 assert meta.BUCKET not in n.meta
                 assert torch.ops.aten.cat.default not in {a.target for a in n.all_input_nodes}
+    gm.graph.lint()
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_bucketing_keeps_a_large_tensor_apart_only_when_that_adds_no_collective(style):
+    """Under the default caps every tensor fits one bucket: net1.weight, though at least
+    own_collective_mb, joins it (one collective per kind and region, as DDP's reducer)."""
+    tr = _traced()
+    expand = expand_replicate if style == "replicate" else expand_fully_shard
+    gm = bucket_collectives(expand(tr.gm, group_name="g", world_size=WORLD),
+                            own_collective_mb=4000 / 2**20)
+    kinds = ([c10d.all_reduce.default] if style == "replicate"
+             else [c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default])
+    for kind in kinds:
+        per_region = {}
+        for n in _calls(gm, kind):
+            per_region.setdefault(n.meta.get(meta.REGION), []).append(n)
+        assert all(len(nodes) == 1 for nodes in per_region.values()), per_region
+        assert all(meta.BUCKET in n.meta for nodes in per_region.values() for n in nodes)
     gm.graph.lint()
 
 
@@ -264,7 +287,7 @@ def test_split_optimizer_updates_the_first_bucket_first():
     tr = _traced(opt_cls=torch.optim.Adam)
     gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
     # net2's gradients (produced first) fill bucket 0, net1's bucket 1.
-    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1056 / 2**20)
     reduces = _calls(gm, c10d.all_reduce.default)
     assert [r.meta[meta.COLLECTIVE]["params"] for r in reduces] == [
         ["net2.bias", "net2.weight"], ["net1.bias", "net1.weight"]]
@@ -299,7 +322,7 @@ def test_split_optimizer_splits_fused_and_foreach_updates_per_bucket(kwargs):
     train_step(model, opt, batch)  # state exists: the steady-state graph
     tr = trace_step(train_step, (model, opt, batch), {})
     gm = expand_replicate(tr.gm, group_name="g", world_size=1)
-    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1056 / 2**20)
     reduces = _calls(gm, c10d.all_reduce.default)
     assert len(reduces) == 2
 
