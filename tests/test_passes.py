@@ -233,6 +233,47 @@ def test_rank_check_runs_before_any_collective_or_state_update(model):
     gm.graph.lint()
 
 
+class _Carrier:
+    """Stands in for consistency.RankCheck: the agreement's header rides in an all_reduce."""
+
+    group, length = "g", 18
+
+    @staticmethod
+    def header(agreement, scale, dtype):
+        return torch.zeros(18, dtype=dtype)
+
+    @staticmethod
+    def check(agreement, reduced):
+        pass
+
+
+@pytest.mark.parametrize("model", ["mlp", "batchnorm"])
+def test_rank_check_rides_in_the_first_gradient_bucket(model):
+    """The header joins the bucket's cat; the check follows the bucket's wait, before any other
+    collective or state update. BatchNorm's buffers are broadcast first: no carrier there."""
+    tr = _traced(BatchNormMLP() if model == "batchnorm" else None, momentum=0.9)
+    gm = reduce_in_place(bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=WORLD)))
+    sizes = [int(n.meta["val"].numel()) for n in _calls(gm, c10d.all_reduce_.default)]
+    gm = place_rank_check(gm, _rank_check, _Carrier)
+    if model == "batchnorm":
+        assert _calls(gm, _rank_check) and not _calls(gm, _Carrier.check)
+        assert "agreement carrier" not in gm.meta
+        return
+    assert not _calls(gm, _rank_check)
+    (header,) = _calls(gm, _Carrier.header)
+    (check,) = _calls(gm, _Carrier.check)
+    (cat,) = header.users
+    assert cat.target is torch.ops.aten.cat.default and cat.args[0][-1] is header
+    (bucket,) = _calls(gm, c10d.all_reduce_.default)
+    assert bucket.args[0].args[0] is cat and header.args[1] == WORLD  # divided in place by it
+    assert check.args[1].target is c10d.wait_tensor.default and check.prev is check.args[1]
+    assert gm.meta["agreement carrier"] == ((sizes[0] + 18, "torch.float32"),)
+    nodes = list(gm.graph.nodes)
+    before = nodes[:nodes.index(check)]
+    assert not [n for n in before if n.meta.get(meta.REGION) == meta.Region.OPTIMIZER]
+    gm.graph.lint()
+
+
 def test_bucketing_never_merges_a_collective_with_one_it_depends_on():
     """b's input reads a's averaged result, so a and b must stay separate collectives."""
     graph = torch.fx.Graph()
