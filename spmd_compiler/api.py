@@ -40,6 +40,7 @@ from .dynamic_dims import InputShapeHistory
 from .eager import attach as attach_eager_use, refuse_bound
 from .errors import NoProcessGroupError, SPMDError
 from .mixed_precision import check_policy
+from .module_walk import walk
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
 from .tensor_parallel import DataParallelDims, graph_inputs, has_plan
 from .pipeline import BuildOptions, build_program, dump_dir_for_compile, info
@@ -434,20 +435,20 @@ def _hashable(x: Any) -> Any:
 def step_key(sa: StepArgs) -> tuple:
     """Everything a compiled graph depends on besides the input sizes (which its guards check).
 
-    Named components, so a recompile can say what changed.
+    Named components, so a recompile can say what changed. Read on every call: one walk over
+    the module tree (module_walk.py).
     """
     module = sa.module
-    params = tuple(
-        (id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in module.parameters()
-    )
-    buffers = tuple((id(b), tuple(b.shape), b.dtype) for b in module.buffers())
-    training = tuple(m.training for m in module.modules())
+    tree = walk(module)
+    params = tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for _, p in tree.params)
+    buffers = tuple((id(b), tuple(b.shape), b.dtype) for _, b in tree.buffers)
+    training = tuple(m.training for m in tree.modules)
     optim = []
     for opt in sa.optimizers:
         groups = tuple(
             tuple(sorted((k, _hashable(v)) for k, v in g.items()  # plain values: guards.py
                          if k != "params" and k not in LIFTED_HPARAMS and not guards.is_plain(v)))
-            + (tuple(id(p) for p in g["params"]),)
+            + (tuple(map(id, g["params"])),)
             for g in opt.param_groups
         )
         state = tuple(
@@ -461,15 +462,13 @@ def step_key(sa: StepArgs) -> tuple:
     for i, d in zip(sa.input_indices, sa.batch_dims):
         t = sa.leaves[i]
         inputs.append((t.dim(), d, t.dtype, t.device, t.requires_grad))
-    constants = tuple(
-        _hashable(x) for j, x in enumerate(sa.leaves)
-        if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
-    )
+    skip = {*sa.input_indices, sa.module_index, *sa.optimizer_indices}
+    constants = tuple(_hashable(x) for j, x in enumerate(sa.leaves) if j not in skip)
     return (
         ("module", id(module)), ("parameters", params), ("buffers", buffers),
         ("train/eval mode", training), ("optimizer", tuple(optim)),
         ("input structure", str(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
-        ("all-gather extensions", extension_key(module)),
+        ("all-gather extensions", extension_key(module, tree.params)),
     )
 
 

@@ -37,6 +37,7 @@ dynamic sequence length); the collectives do not depend on them. Two checks:
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import re
 import sys
@@ -220,11 +221,23 @@ def agreement_header(holder: list | None, scale: float, dtype: torch.dtype) -> t
     pending = holder[0] if holder is not None else None
     if isinstance(pending, CarriedAgreement):
         pending.sent = True
-        if pending.running >> HEADER_BITS:
-            raise RankMismatchError(f"more than {2 ** HEADER_BITS} programs for one step")
-        return torch.tensor(header_row(pending.running), dtype=dtype) * scale
+        return _header(pending.running, scale, dtype)
     await_agreement(holder)
-    return torch.zeros(HEADER, dtype=dtype)
+    return _header(None, scale, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _header(running: int | None, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``header_row(running) * scale`` as a tensor (made once; the graph's ``cat`` copies it)."""
+    if running is not None and running >> HEADER_BITS:
+        raise RankMismatchError(f"more than {2 ** HEADER_BITS} programs for one step")
+    return torch.tensor(header_row(running), dtype=dtype) * scale
+
+
+@functools.lru_cache(maxsize=None)
+def _agreed(running: int, world: int) -> list[float]:
+    """The summed header when all ``world`` ranks run program ``running``."""
+    return [float(world * x) for x in header_row(running)]
 
 
 def agreement_check(holder: list | None, reduced: torch.Tensor) -> None:
@@ -235,8 +248,9 @@ def agreement_check(holder: list | None, reduced: torch.Tensor) -> None:
     pending = holder[0] if holder is not None else None
     if isinstance(pending, CarriedAgreement):
         holder[0] = None
-        counts = [round(x) for x in reduced[-HEADER:].tolist()]
-        decide_carried(counts, pending.world)
+        counts = reduced[-HEADER:].tolist()
+        if counts != _agreed(pending.running, pending.world):
+            decide_carried([round(x) for x in counts], pending.world)
 
 
 def decide_carried(counts: list[int], world: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import ctypes.util
 import sys
 import weakref
@@ -89,7 +90,7 @@ def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
     """The device the module's state lives on. For a model built on the meta device: the
     device of the first tensor in ``inputs`` (the step's batch), where its state will be
     materialized, else the CPU."""
-    for t in (*module.parameters(), *module.buffers()):
+    for t in itertools.chain(module.parameters(), module.buffers()):
         if not t.is_meta:
             return t.device
     for t in inputs:

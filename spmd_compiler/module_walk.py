@@ -1,0 +1,39 @@
+"""One walk over a module tree: its submodules, parameters and buffers, with their names, in the
+order and with the deduplication of ``named_modules()``, ``named_parameters()`` and
+``named_buffers()``, without their nested generators (a cached call reads them every call)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class ModuleWalk(NamedTuple):
+    modules: list[torch.nn.Module]  # pre-order, each module once
+    params: list[tuple[str, torch.Tensor]]  # each parameter once, first name
+    buffers: list[tuple[str, torch.Tensor]]  # each buffer once, first name
+
+
+def walk(module: torch.nn.Module) -> ModuleWalk:
+    """``module``'s tree as ``named_modules()`` and ``named_parameters()`` /
+    ``named_buffers()`` (remove_duplicate=True) list it."""
+    modules, params, buffers = [], [], []
+    seen_modules, seen_params, seen_buffers = set(), set(), set()
+    stack = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        if id(m) in seen_modules:
+            continue
+        seen_modules.add(id(m))
+        modules.append(m)
+        dot = prefix + "." if prefix else ""
+        for out, seen, members in ((params, seen_params, m._parameters),
+                                   (buffers, seen_buffers, m._buffers)):
+            for name, t in members.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((dot + name, t))
+        children = [(dot + name, c) for name, c in m._modules.items() if c is not None]
+        stack.extend(reversed(children))
+    return ModuleWalk(modules, params, buffers)
