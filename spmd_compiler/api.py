@@ -40,6 +40,7 @@ from .dynamic_dims import InputShapeHistory
 from .eager import attach as attach_eager_use, refuse_bound
 from .errors import NoProcessGroupError, SPMDError
 from .mixed_precision import check_policy
+from .call_args import spec_text
 from .module_walk import walk
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
 from .tensor_parallel import DataParallelDims, graph_inputs, has_plan
@@ -467,7 +468,7 @@ def step_key(sa: StepArgs) -> tuple:
     return (
         ("module", id(module)), ("parameters", params), ("buffers", buffers),
         ("train/eval mode", training), ("optimizer", tuple(optim)),
-        ("input structure", str(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
+        ("input structure", spec_text(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
         ("all-gather extensions", extension_key(module, tree.params)),
     )
 

@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 
 from . import tensor_parallel as tp
-from .torch_internals import dtensor_spec, local_tensor, pytree
+from .torch_internals import direct_op_calls, dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
@@ -597,6 +597,7 @@ class CompiledGraph:
 
     def __post_init__(self):
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
+        self._run = direct_op_calls(self.run)  # the same graph, its ops called directly
 
     @property
     def signature(self) -> StepSignature:
@@ -651,7 +652,7 @@ class CompiledGraph:
         with communication_failures("the compiled step",
                                     "Parameters and optimizer state on this rank may be partly "
                                     "updated by this step."):
-            outs = sig.split_outputs(self.run(*flat))
+            outs = sig.split_outputs(self._run(*flat))
         if sig.new_states:
             opt_of = {id(p): opt for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
             for (fqn, k), t in zip(sig.new_states, outs.new_states):
