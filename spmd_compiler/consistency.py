@@ -248,7 +248,7 @@ def agreement_check(holder: list | None, reduced: torch.Tensor) -> None:
     pending = holder[0] if holder is not None else None
     if isinstance(pending, CarriedAgreement):
         holder[0] = None
-        counts = reduced[-HEADER:].tolist()
+        counts = reduced.narrow(0, reduced.numel() - HEADER, HEADER).tolist()
         if counts != _agreed(pending.running, pending.world):
             decide_carried([round(x) for x in counts], pending.world)
 

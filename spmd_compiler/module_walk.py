@@ -37,3 +37,20 @@ def walk(module: torch.nn.Module) -> ModuleWalk:
         children = [(dot + name, c) for name, c in m._modules.items() if c is not None]
         stack.extend(reversed(children))
     return ModuleWalk(modules, params, buffers)
+
+
+def tensors(module: torch.nn.Module, kind: str = "_parameters"):
+    """``module.parameters()`` (``kind="_buffers"``: ``buffers()``) in the same order, generated
+    lazily without nested generators (its first few are read on every call)."""
+    seen_modules, seen = set(), set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen_modules:
+            continue
+        seen_modules.add(id(m))
+        for t in getattr(m, kind).values():
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                yield t
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))

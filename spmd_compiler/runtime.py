@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import math
 import ctypes.util
 import sys
 import weakref
@@ -27,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from . import tensor_parallel as tp
 from .torch_internals import direct_op_calls, dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
+from .module_walk import tensors
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
 from .tracing import StepArgs, TracedStep
@@ -90,7 +92,7 @@ def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
     """The device the module's state lives on. For a model built on the meta device: the
     device of the first tensor in ``inputs`` (the step's batch), where its state will be
     materialized, else the CPU."""
-    for t in itertools.chain(module.parameters(), module.buffers()):
+    for t in itertools.chain(tensors(module, "_parameters"), tensors(module, "_buffers")):
         if not t.is_meta:
             return t.device
     for t in inputs:
@@ -685,8 +687,7 @@ class CompiledGraph:
                 state_of[id(p)] = st
         flat += [x for n, k in sig.states
                  for x in inner_tensors(local_buffer(state_of[id(params[n])][k]))]
-        flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
-                 for v, as_tensor in zip(hparams, sig.hparams)]
+        flat += [hparam_tensor(v) if as_tensor else v for v, as_tensor in zip(hparams, sig.hparams)]
         flat += tp.graph_inputs(sa)
         if sig.grads_in:
             flat += [accumulated[n] if n in accumulated else torch.zeros(
@@ -700,6 +701,21 @@ class CompiledGraph:
             if eager is not None and eager.grads_written:  # an eager backward's, now stale
                 eager.clear_grads()
         return flat
+
+
+_HPARAM_TENSORS: dict[tuple[float, float], torch.Tensor] = {}
+
+
+def hparam_tensor(v: float) -> torch.Tensor:
+    """``v`` as the float64 0-d tensor a fused optimizer kernel reads (graphs only read it):
+    made once per value, not on every call."""
+    key = (v, math.copysign(1.0, v))
+    t = _HPARAM_TENSORS.get(key)
+    if t is None:
+        if len(_HPARAM_TENSORS) >= 64:
+            _HPARAM_TENSORS.clear()
+        t = _HPARAM_TENSORS[key] = torch.tensor(v, dtype=torch.float64)
+    return t
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

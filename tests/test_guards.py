@@ -287,3 +287,7 @@ def test_module_walk_lists_what_named_members_list():
     assert tree.modules == list(model.modules())
     assert [(n, id(p)) for n, p in tree.params] == [(n, id(p)) for n, p in model.named_parameters()]
     assert [(n, id(b)) for n, b in tree.buffers] == [(n, id(b)) for n, b in model.named_buffers()]
+    from spmd_compiler.module_walk import tensors
+
+    assert [id(p) for p in tensors(model)] == [id(p) for p in model.parameters()]
+    assert [id(b) for b in tensors(model, "_buffers")] == [id(b) for b in model.buffers()]
