@@ -39,6 +39,7 @@ from spmd_compiler.passes.grad_outputs import output_gradients
 from spmd_compiler.passes.inplace import gather_into_preallocated, owned_temporary, reduce_in_place
 from spmd_compiler.passes.memory_plan import plan_static_memory
 from spmd_compiler.passes.overlap import sink_waits
+from spmd_compiler.passes.identity_views import skip_identity_views
 from spmd_compiler.passes.rank_check import place_rank_check
 from spmd_compiler.passes.recompute import recompute_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
@@ -366,6 +367,7 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: tuple | None = Non
                      functools.partial(all_reduce_scatters, owned=owned_temporary),
                      plan_static_memory):
         runnable = lowering(runnable)
+    runnable = skip_identity_views(runnable)
     return place_rank_check(runnable, *rank_check) if rank_check else runnable
 
 
