@@ -12,9 +12,6 @@ a few timed steps, then one more step measured from the CPU allocator's events
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -22,7 +19,7 @@ from tabulate import tabulate
 
 from .models import MODELS
 from .modes import all_modes
-from .run import machine, report_errors, run_model, source_revision
+from .run import provenance, report_errors, run_model, write_results
 
 MIB = 2**20
 DEFAULT_MODELS = ["state_heavy", "deep_gpt", "deep_gpt_ckpt"]
@@ -168,17 +165,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     results = {
-        "command": shlex.join(["python", "-m", "benchmarks.memory", *argv]),
-        "machine": machine(),
-        "source": source_revision(),
+        **provenance("benchmarks.memory", argv),
         "config": {"world_size": args.world_size, "steps": args.steps, "warmup": args.warmup,
                    "seed": args.seed, "out": args.out},
         "models": [run_model(name, args) for name in args.models],
     }
-    results["machine"]["load_average_end"] = os.getloadavg()[0]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    write_results(results, args.out)
     print(tabulate(memory_rows(results), headers=HEADERS, disable_numparse=True))
     if not args.no_docs:
         Path(args.md).write_text(markdown(results))

@@ -164,10 +164,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    """Pre-LN block: causal self-attention (``attn``, default :class:`CausalSelfAttention`), then
+    a 4x GELU MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig, attn: nn.Module | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.dim)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg) if attn is None else attn
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = nn.Sequential(
             nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
@@ -181,19 +184,21 @@ class GPTBlock(nn.Module):
 class GPT(nn.Module):
     """Token + position embeddings, pre-LN causal blocks, head weight tied to the embedding."""
 
-    def __init__(self, cfg: GPTConfig = GPTConfig()):
+    def __init__(self, cfg: GPTConfig = GPTConfig(), block=GPTBlock):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.dim)
         self.pos = nn.Embedding(cfg.seq, cfg.dim)
-        self.blocks = nn.Sequential(*[GPTBlock(cfg) for _ in range(cfg.layers)])
+        self.blocks = nn.Sequential(*[block(cfg) for _ in range(cfg.layers)])
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight
 
-    def forward(self, idx):
+    def embed(self, idx):
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        return self.head(self.ln_f(self.blocks(x)))
+        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+
+    def forward(self, idx):
+        return self.head(self.ln_f(self.blocks(self.embed(idx))))
 
 
 def _gpt_batch(gen: torch.Generator, b: int, cfg: GPTConfig = GPTConfig()) -> Batch:
@@ -208,18 +213,12 @@ def _lm_loss(logits, targets):
 # --- GPT on nn.MultiheadAttention ------------------------------------------------------------
 
 
-class MHABlock(nn.Module):
+class MHABlock(GPTBlock):
     """Pre-LN block whose attention is ``nn.MultiheadAttention`` with a causal float mask (the
     module detects it is causal by comparing it with its own causal mask)."""
 
     def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.dim)
-        self.attn = nn.MultiheadAttention(cfg.dim, cfg.heads, batch_first=True)
-        self.ln2 = nn.LayerNorm(cfg.dim)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
-        )
+        super().__init__(cfg, nn.MultiheadAttention(cfg.dim, cfg.heads, batch_first=True))
 
     def forward(self, x, mask):
         h = self.ln1(x)
@@ -227,22 +226,15 @@ class MHABlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class MHAGPT(nn.Module):
+class MHAGPT(GPT):
     """The GPT above with ``nn.MultiheadAttention`` blocks."""
 
     def __init__(self, cfg: GPTConfig = GPTConfig()):
-        super().__init__()
-        self.tok = nn.Embedding(cfg.vocab, cfg.dim)
-        self.pos = nn.Embedding(cfg.seq, cfg.dim)
-        self.blocks = nn.ModuleList([MHABlock(cfg) for _ in range(cfg.layers)])
-        self.ln_f = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
-        self.head.weight = self.tok.weight
+        super().__init__(cfg, MHABlock)
 
     def forward(self, idx):
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        x = self.embed(idx)
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
         for block in self.blocks:
             x = block(x, mask)
         return self.head(self.ln_f(x))

@@ -168,6 +168,22 @@ def source_revision() -> dict:
     return {"commit": git("rev-parse", "--short", "HEAD"), "compiler_sources_modified": bool(dirty)}
 
 
+def provenance(module: str, argv: list[str]) -> dict:
+    """How a results file was made: the command, the machine (load average at the start) and
+    the source revision."""
+    return {"command": shlex.join(["python", "-m", module, *argv]), "machine": machine(),
+            "source": source_revision()}
+
+
+def write_results(results: dict, out: str) -> Path:
+    """Add the load average at the end and write ``results`` as JSON to ``out``."""
+    results["machine"]["load_average_end"] = os.getloadavg()[0]
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return path
+
+
 def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
     """Per rank: the first round's figures with every round's step timings pooled."""
     merged = []
@@ -223,9 +239,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     results = {
-        "command": shlex.join(["python", "-m", "benchmarks.run", *argv]),
-        "machine": machine(),
-        "source": source_revision(),
+        **provenance("benchmarks.run", argv),
         "config": {
             "world_size": args.world_size,
             "steps": args.steps,
@@ -239,10 +253,7 @@ def main(argv=None) -> int:
     }
     for name in args.models:
         results["models"].append(run_model(name, args))
-    results["machine"]["load_average_end"] = os.getloadavg()[0]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    out = write_results(results, args.out)
     print()
     print(table(results))
     print()

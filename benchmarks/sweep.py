@@ -11,16 +11,13 @@ JSON results and a markdown page.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
 import sys
 from pathlib import Path
 
 from tabulate import tabulate
 
 from .models import MODELS
-from .run import machine, run_model, source_revision
+from .run import provenance, run_model, write_results
 
 MODES = ("ddp", "ddp_tuned", "spmd_replicate", "compute")
 
@@ -88,9 +85,8 @@ def main(argv=None) -> int:
     run_args = argparse.Namespace(
         modes=list(MODES), world_size=2, steps=args.steps, rounds=args.rounds,
         warmup=args.warmup, seed=0, timeout=args.timeout, profile=None)
-    sweep = {"command": shlex.join(["python", "-m", "benchmarks.sweep", *argv]),
-             "machine": machine(), "source": source_revision(), "model": args.model,
-             "config": vars(args), "rows": []}
+    sweep = {**provenance("benchmarks.sweep", argv), "model": args.model, "config": vars(args),
+             "rows": []}
     for batch in batches:
         run_args.batch = batch
         result = run_model(args.model, run_args)
@@ -98,9 +94,8 @@ def main(argv=None) -> int:
         for r in result["results"]:
             row[r["mode"]] = r["step_ms"]["median"] if r["status"] == "ok" else None
         sweep["rows"].append(row)
-    sweep["machine"]["load_average_end"] = os.getloadavg()[0]
     sweep["crossover"] = crossover(sweep["rows"])
-    Path(args.out).write_text(json.dumps(sweep, indent=1) + "\n")
+    write_results(sweep, args.out)
     Path(args.md).write_text(markdown(sweep))
     print(markdown(sweep))
     return 0

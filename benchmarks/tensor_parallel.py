@@ -68,6 +68,13 @@ def _compiled_collectives(step) -> int:
                if n.op == "call_function" and "c10d" in str(n.target) and "wait" not in str(n.target))
 
 
+def _measure(name: str, label: str, step, compiled: bool, args: tuple, steps: int) -> str:
+    """One result line: ``step(*args)``'s time per step and how many collectives it runs."""
+    ms = _timed(lambda: step(*args), steps)
+    count = _compiled_collectives(step) if compiled else _eager_collectives(lambda: step(*args))
+    return f"{name:15s} {label:22s} {ms:8.2f} ms  {count:3d} collectives"
+
+
 def _tp_model(name: str, mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
@@ -96,11 +103,8 @@ def _tp_job(name: str, steps: int) -> list[str]:
         torch.manual_seed(1)
         x, y = batch()
         step = spmd_compile(mesh=mesh)(step_fn) if compiled else step_fn
-        ms = _timed(lambda: step(model, opt, x, y), steps)
-        count = _compiled_collectives(step) if compiled else _eager_collectives(
-            lambda: step(model, opt, x, y))
-        out.append(f"{name:15s} {'compiled TP' if compiled else 'eager DTensor TP':22s} "
-                   f"{ms:8.2f} ms  {count:3d} collectives")
+        out.append(_measure(name, "compiled TP" if compiled else "eager DTensor TP", step, compiled,
+                            (model, opt, x, y), steps))
     return out
 
 
@@ -120,11 +124,8 @@ def _dp_tp_job(name: str, steps: int) -> list[str]:
         torch.manual_seed(1 + mesh["dp"].get_local_rank())
         x, y = batch()
         step = spmd_compile(DataParallel("fully_shard"), mesh=mesh)(step_fn) if compiled else step_fn
-        ms = _timed(lambda: step(model, opt, x, y), steps)
-        count = _compiled_collectives(step) if compiled else _eager_collectives(
-            lambda: step(model, opt, x, y))
-        out.append(f"{name:15s} {'compiled fully_shard x TP' if compiled else 'eager FSDP2 + TP':22s} "
-                   f"{ms:8.2f} ms  {count:3d} collectives")
+        out.append(_measure(name, "compiled fully_shard x TP" if compiled else "eager FSDP2 + TP",
+                            step, compiled, (model, opt, x, y), steps))
     return out
 
 

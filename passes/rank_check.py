@@ -65,6 +65,8 @@ def carry(gm: fx.GraphModule, agreement: fx.Node, carrier: Any) -> bool:
     them, the carrier last. False, with the graph unchanged, when it cannot."""
     prefix, issue = [], None
     for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            continue
         if n.op == "output" or n.meta.get(meta.REGION) == meta.Region.OPTIMIZER \
                 or _updates_placeholder(n):
             return False
@@ -135,8 +137,9 @@ def _after(node: fx.Node):
 
 def _stops(n: fx.Node) -> bool:
     """Must the check come before ``n``? (it communicates or changes live state)"""
-    return (n.op == "output" or _communicates(n)
-            or n.meta.get(meta.REGION) == meta.Region.OPTIMIZER or _updates_placeholder(n))
+    return n.op == "output" or n.op != "placeholder" and (
+        _communicates(n) or n.meta.get(meta.REGION) == meta.Region.OPTIMIZER
+        or _updates_placeholder(n))
 
 
 def _communicates(node: fx.Node) -> bool:

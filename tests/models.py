@@ -1,19 +1,28 @@
 """Small models and training steps shared by the tests.
 
-Every model takes a ``(batch, 50)`` input and returns ``(batch, 8)``, so any of them fits
-:func:`train_step` with a ``(x, y)`` batch of shapes ``(b, 50)`` and ``(b, 8)``.
+Every model but TransposedMLP and TwoLayerMLP takes a ``(batch, 50)`` input and returns
+``(batch, 8)``, so any of them fits
+:func:`tests.steps.train_step` with a ``(x, y)`` batch of shapes ``(b, 50)`` and ``(b, 8)``.
 
 - :class:`SimpleMLP`: the seed's two-layer MLP.
 - :class:`BatchDimModel`: the seed's ``WrapperModule`` of ``test_data_parallel_batch_dim_analysis``
   (view(-1), squeeze/unsqueeze, ``arange``/``ones``/``zeros(...).repeat(b, 1)`` in the forward).
 - :class:`BatchNormMLP`: an MLP with a ``BatchNorm1d`` (running-stat buffers updated every step).
 - :class:`TiedMLP`: an MLP in which two layers share one weight ``nn.Parameter``.
+- :class:`TransposedMLP`: the seed's non-0 batch dim model (``(50, batch)`` in, ``(8, batch)`` out).
+- :class:`TwoLayerMLP`: ``n_in -> hidden -> n_out``, sizes of the test's choosing.
+- :class:`UnusedParamMLP`: a SimpleMLP beside a Linear the forward never uses.
+
+The training steps are in tests/steps.py (``train_step``, ``mse_step`` and ``flexible_step`` are
+also importable from here).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from tests.steps import flexible_step, mse_step, train_step  # noqa: F401 (the steps tests import from here)
 
 IN_FEATURES = 50
 OUT_FEATURES = 8
@@ -57,6 +66,32 @@ class BatchDimModel(nn.Module):
         return output + added_arange + repeated_zeros
 
 
+class TransposedMLP(nn.Module):
+    """The seed's non-0 batch dim model: inputs are ``(50, batch)``, outputs ``(8, batch)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = SimpleMLP()
+
+    def forward(self, x):
+        return self.mlp(x.t().contiguous()).t()
+
+
+class TwoLayerMLP(nn.Module):
+    """``n_in -> hidden -> n_out`` with a ReLU between (and a sigmoid after, if asked): the sizes
+    choose how the layers shard (uneven shards, fewer rows than ranks)."""
+
+    def __init__(self, n_in: int, hidden: int, n_out: int, sigmoid: bool = False):
+        super().__init__()
+        self.net1 = nn.Linear(n_in, hidden)
+        self.net2 = nn.Linear(hidden, n_out)
+        self.sigmoid = sigmoid
+
+    def forward(self, x):
+        out = self.net2(torch.relu(self.net1(x)))
+        return torch.sigmoid(out) if self.sigmoid else out
+
+
 class BatchNormMLP(nn.Module):
     """Linear -> BatchNorm1d -> ReLU -> Linear: buffers (running_mean/var, num_batches_tracked)."""
 
@@ -89,46 +124,21 @@ class TiedMLP(nn.Module):
         return self.out(h)
 
 
+class UnusedParamMLP(nn.Module):
+    """A SimpleMLP beside a Linear the forward never uses (parameters that get no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = SimpleMLP()
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
 MODELS = {
     "SimpleMLP": SimpleMLP,
     "BatchDimModel": BatchDimModel,
     "BatchNormMLP": BatchNormMLP,
     "TiedMLP": TiedMLP,
 }
-
-
-def train_step(model, optim, train_batch):
-    """The seed's training step: sum of (output - labels)."""
-
-    def loss_fn(out, labels):
-        return (out - labels).sum()
-
-    optim.zero_grad()
-    inputs, labels = train_batch
-    out = model(inputs)
-    loss = loss_fn(out, labels)
-    loss.backward()
-    optim.step()
-    return loss
-
-
-def mse_step(model, optim, train_batch):
-    """A mean-squared-error step (a loss that averages over the local batch, as DDP users do)."""
-    optim.zero_grad()
-    inputs, labels = train_batch
-    loss = torch.nn.functional.mse_loss(model(inputs), labels)
-    loss.backward()
-    optim.step()
-    return loss
-
-
-def flexible_step(model, optim, batch):
-    """Accepts a ``(x, y)`` tuple or a ``{"x": ..., "y": ...}`` dict; computes in float32 whatever
-    the batch's dtype (so a float64 batch is a new input signature for an unchanged model)."""
-    optim.zero_grad()
-    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
-    out = model(x.to(torch.float32))
-    loss = ((out - y.to(torch.float32)) ** 2).sum()
-    loss.backward()
-    optim.step()
-    return loss

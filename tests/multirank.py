@@ -974,3 +974,32 @@ class SelectedCases:
             if case is not None and case not in cases:
                 cases.append(case)
         return cases
+
+
+def assert_parity_report(rep: dict, case: str, world_size: int, rank: int,
+                         expected_compiles: int) -> None:
+    """One rank's report of a catalogue parity case (``problems`` against the DDP reference,
+    ``counts``: compile_count after each step, the last step a short batch): no problem, and
+    ``expected_compiles`` after every step from the second on (the short last batch runs on the
+    graph compiled for the full batches)."""
+    problems = rep["problems"]
+    assert not problems, (
+        f"{case} (world size {world_size}) differs from DDP on rank {rank}: "
+        f"{len(problems)} problem(s):\n  " + "\n  ".join(problems[:20])
+    )
+    counts = rep["counts"]
+    assert counts[-1] == counts[-2], f"{case}: the short batch recompiled: counts {counts}"
+    assert counts[1:] == [expected_compiles] * (len(counts) - 1), (
+        f"{case}: compile_count after each step {counts}, expected {expected_compiles} from "
+        f"the second step on"
+    )
+
+
+def run_without_problems(pool: "WorkerPool", job: Callable[..., Any], *args: Any,
+                         timeout: float = DEFAULT_TIMEOUT) -> list:
+    """``pool.run(job, *args)`` for a job whose per-rank report has ``problems`` (a
+    ParityChecker's): asserts that no rank has any, and returns the reports."""
+    reps = pool.run(job, *args, timeout=timeout)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    return reps

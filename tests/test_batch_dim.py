@@ -16,7 +16,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 from spmd_compiler.passes.batch_dim import PlacementError, annotate_placements
 from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Region, Role
 from spmd_compiler.tracing import trace_step
-from tests.models import BatchDimModel, SimpleMLP, train_step
+from tests.models import BatchDimModel, SimpleMLP, TransposedMLP, train_step
+from tests.steps import clip_norm, diff_sum, step_with, sum_step
 
 aten = torch.ops.aten
 R, AVG = Replicate(), Partial("avg")
@@ -83,15 +84,7 @@ def test_seed_batch_dim_model():
 
 
 def test_non_zero_batch_dim_fused_adam():
-    class Transposed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = SimpleMLP()
-
-        def forward(self, x):
-            return self.mlp(x.t().contiguous()).t()
-
-    model = Transposed()
+    model = TransposedMLP()
     optim = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
     gm = annotated(model, optim, (torch.randn(50, 16), torch.randn(8, 16)), input_batch_dim=1)
     x, y = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.INPUT]
@@ -149,14 +142,13 @@ class TinyBlock(nn.Module):
         return self.head(h)
 
 
-def lm_step(model, optim, batch):
-    optim.zero_grad()
+def lm_loss(model, batch):
     idx, targets = batch
     logits = model(idx)
-    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-    loss.backward()
-    optim.step()
-    return loss
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+lm_step = step_with(lm_loss)
 
 
 def test_transformer_block_flattens_batch_and_seq():
@@ -194,13 +186,12 @@ class ConvNet(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
-def ce_step(model, optim, batch):
-    optim.zero_grad()
+def ce_loss(model, batch):
     x, y = batch
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optim.step()
-    return loss
+    return F.cross_entropy(model(x), y)
+
+
+ce_step = step_with(ce_loss)
 
 
 def test_conv_net_with_batch_norm_and_flatten():
@@ -231,14 +222,11 @@ def test_unbatched_extra_input_is_replicate():
         def forward(self, x, mask):
             return self.lin(x) * mask
 
-    def step(model, optim, batch):
-        optim.zero_grad()
+    def masked_mse(model, batch):
         x, mask, y = batch
-        loss = F.mse_loss(model(x, mask), y)
-        loss.backward()
-        optim.step()
-        return loss
+        return F.mse_loss(model(x, mask), y)
 
+    step = step_with(masked_mse)
     model = Masked()
     batch = (torch.randn(4, 6), torch.ones(6), torch.randn(4, 6))
     gm = annotated(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, step=step,
@@ -261,15 +249,8 @@ def _raising_step(forward):
         def forward(self, x):
             return forward(self.lin(x))
 
-    def step(model, optim, batch):
-        optim.zero_grad()
-        loss = model(batch).sum()
-        loss.backward()
-        optim.step()
-        return loss
-
     model = M()
-    return trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8)),
+    return trace_step(sum_step, (model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(6, 8)),
                       {}, input_batch_dim=0).gm
 
 
@@ -451,14 +432,7 @@ def test_functional_collectives_after_expansion():
     assert optimizer_updates and all(placement(n) == R for n in optimizer_updates)
 
 
-def clip_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = (model(x) - y).sum()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optim.step()
-    return loss
+clip_step = step_with(diff_sum, between=clip_norm(1.0, returned=False))
 
 
 @pytest.mark.parametrize("make_optim", [

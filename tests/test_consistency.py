@@ -25,30 +25,33 @@ def _outcome(fn):
         return (type(e).__name__, str(e))
 
 
-def _different_model_on_rank1():
+def _compiled(mode: str, step_fn=train_step, edit_model=None, **sgd):
+    """The seeded SimpleMLP (changed by ``edit_model`` first, if given), its SGD (lr 0.1 and
+    ``sgd``) and ``step_fn`` compiled for ``mode``."""
     torch.manual_seed(0)
     model = SimpleMLP()
-    if dist.get_rank() == 1:
-        model.net2 = torch.nn.Linear(32, 8, bias=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = spmd_compile(DataParallel("replicate"))(train_step)
+    if edit_model is not None:
+        edit_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, **sgd)
+    return model, opt, spmd_compile(DataParallel(mode))(step_fn)
+
+
+def _no_net2_bias(model):
+    model.net2 = torch.nn.Linear(32, 8, bias=False)
+
+
+def _different_model_on_rank1():
+    model, opt, step = _compiled("replicate", edit_model=_no_net2_bias if dist.get_rank() == 1 else None)
     return _outcome(lambda: step(model, opt, _batch(8)))
 
 
 def _different_optimizer_config_on_last_rank():
-    torch.manual_seed(0)
-    model = SimpleMLP()
     last = dist.get_rank() == dist.get_world_size() - 1
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5 if last else 0.9)
-    step = spmd_compile(DataParallel("fully_shard"))(train_step)
+    model, opt, step = _compiled("fully_shard", momentum=0.5 if last else 0.9)
     return _outcome(lambda: step(model, opt, _batch(8)))
 
 
 def _failing_compile_on_rank0():
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
     def step_fn(model, optim, batch):
         optim.zero_grad()
         x, y = batch
@@ -59,15 +62,12 @@ def _failing_compile_on_rank0():
         optim.step()
         return loss
 
-    step = spmd_compile(DataParallel("replicate"))(step_fn)
+    model, opt, step = _compiled("replicate", step_fn)
     return _outcome(lambda: step(model, opt, _batch(8)))
 
 
 def _input_change_on_rank1():
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = spmd_compile(DataParallel("replicate"))(train_step)
+    model, opt, step = _compiled("replicate")
     for b in (8, 8):  # compile the state-creating and the steady graph on every rank
         step(model, opt, _batch(b))
     # Only rank 1 passes an input that requires grad: a new compile there, the cached graph

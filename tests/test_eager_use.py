@@ -21,8 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.logs import spmd_log
 from tests.models import mse_step
 from tests.multirank import assert_close_all, rank_data
+from tests.steps import clip_norm, mse, step_with
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -51,14 +53,8 @@ class EagerModel(nn.Module):
         return self.out(h) + 0.1 * F.linear(h, self.out.weight)
 
 
-def clip_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # active: changes p.grad in place
-    optim.step()
-    return loss
+# clipping at 0.05 is active: it changes p.grad in place
+clip_step = step_with(mse, between=clip_norm(0.05, returned=False), name="clip_step")
 
 
 def _pair(mode: str, **options):
@@ -303,23 +299,18 @@ def one_rank_job(patience: float) -> dict:
     model, opt, ref, ref_opt, dp, spmd_compile = _pair("fully_shard")
     spmd_compile(dp)(mse_step)(model, opt, rank_data(700, (8, 50), (8, 8)))
     mse_step(ref, ref_opt, rank_data(700, (8, 50), (8, 8)))
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    log = logging.getLogger("spmd_compiler")
-    log.addHandler(handler)
     old = eager.COLLECTIVE_PATIENCE_S
     eager.COLLECTIVE_PATIENCE_S = patience
     try:
-        if dist.get_rank() == 0:
-            time.sleep(4 * patience)
-        x = rank_data(701, (3, 50))
-        with torch.no_grad():
-            y = model.eval()(x)
-        assert_close_all(y, ref.module.eval()(x), RTOL, ATOL, what="output")
+        with spmd_log(logging.WARNING) as records:
+            if dist.get_rank() == 0:
+                time.sleep(4 * patience)
+            x = rank_data(701, (3, 50))
+            with torch.no_grad():
+                y = model.eval()(x)
+            assert_close_all(y, ref.module.eval()(x), RTOL, ATOL, what="output")
     finally:
         eager.COLLECTIVE_PATIENCE_S = old
-        log.removeHandler(handler)
     return {"warnings": [r.getMessage() for r in records if r.levelno == logging.WARNING]}
 
 
@@ -394,25 +385,10 @@ def _alone_rank(rank: int, port: int, timeout_s: float, results) -> None:
 def test_a_rank_alone_in_an_eager_gather_gets_a_clear_error_not_a_hang():
     """With the process group's timeout (3 s here) the lone rank raises a CollectiveError that
     says why, well before the 30 s patience warning would be due."""
-    import multiprocessing as mp
+    from tests.test_faults import run_two_ranks
 
-    from tests.test_faults import _port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     timeout_s = 3.0
-    port = _port()
-    procs = [ctx.Process(target=_alone_rank, args=(r, port, timeout_s, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-    reports = {}
-    while not results.empty():
-        rank, kind, message, seconds = results.get()
-        reports[rank] = (kind, message, seconds)
+    reports, procs = run_two_ranks(_alone_rank, timeout_s)
     assert 1 in reports, f"rank 1 reported nothing (exit codes {[p.exitcode for p in procs]})"
     kind, message, seconds = reports[1]
     assert kind == "CollectiveError", (kind, message)

@@ -24,7 +24,7 @@ from spmd_compiler.errors import (
     StepSignatureError,
     TraceError,
 )
-from tests.models import SimpleMLP, train_step
+from tests.models import SimpleMLP, UnusedParamMLP, train_step
 from tests.test_replicate import ATOL, RTOL
 
 
@@ -81,16 +81,6 @@ def _no_module_step(optim, batch):
     return batch[0].sum()
 
 
-def test_no_module(pg1):
-    model, opt, batch = setup()
-    compiled = spmd_compile(DataParallel("replicate"))(_no_module_step)
-    with pytest.raises(StepSignatureError) as ei:
-        compiled(opt, batch)
-    msg = str(ei.value)
-    assert "exactly one torch.nn.Module" in msg and "found 0" in msg, msg
-    assert_untouched(compiled, model)
-
-
 def _two_module_step(model, other, optim, batch):
     optim.zero_grad()
     loss = (other(model(batch[0]) - batch[1])).sum()
@@ -99,32 +89,32 @@ def _two_module_step(model, other, optim, batch):
     return loss
 
 
-def test_two_modules(pg1):
-    model, opt, batch = setup()
-    other = nn.Linear(8, 8)
-    compiled = spmd_compile(DataParallel("replicate"))(_two_module_step)
-    with pytest.raises(StepSignatureError) as ei:
-        compiled(model, other, opt, batch)
-    msg = str(ei.value)
-    assert "exactly one torch.nn.Module" in msg and "found 2" in msg, msg
-    assert "SimpleMLP" in msg and "Linear" in msg, msg
-    assert "Wrap" in msg, msg  # says how to fix it
-    assert_untouched(compiled, model)
-
-
 def _no_optimizer_step(model, batch):
     loss = (model(batch[0]) - batch[1]).sum()
     loss.backward()
     return loss
 
 
-def test_no_optimizer(pg1):
-    model, _, batch = setup()
-    compiled = spmd_compile(DataParallel("replicate"))(_no_optimizer_step)
+SIGNATURE_ERRORS = {  # case -> (step, its arguments given (model, opt, batch), words of the message)
+    "no_module": (_no_module_step, lambda model, opt, batch: (opt, batch),
+                  ["exactly one torch.nn.Module", "found 0"]),
+    "two_modules": (_two_module_step, lambda model, opt, batch: (model, nn.Linear(8, 8), opt, batch),
+                    ["exactly one torch.nn.Module", "found 2", "SimpleMLP", "Linear",
+                     "Wrap"]),  # Wrap: says how to fix it
+    "no_optimizer": (_no_optimizer_step, lambda model, opt, batch: (model, batch),
+                     ["torch.optim.Optimizer", "none found"]),
+}
+
+
+@pytest.mark.parametrize("case", SIGNATURE_ERRORS)
+def test_step_signature_error(pg1, case):
+    step, args, words = SIGNATURE_ERRORS[case]
+    model, opt, batch = setup()
+    compiled = spmd_compile(DataParallel("replicate"))(step)
     with pytest.raises(StepSignatureError) as ei:
-        compiled(model, batch)
+        compiled(*args(model, opt, batch))
     msg = str(ei.value)
-    assert "torch.optim.Optimizer" in msg and "none found" in msg, msg
+    assert all(w in msg for w in words), msg
     assert_untouched(compiled, model)
 
 
@@ -168,18 +158,8 @@ def test_data_dependent_control_flow_names_user_line(pg1, step, marker):
     assert_untouched(compiled, model)
 
 
-class _WithUnused(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mlp = SimpleMLP()
-        self.unused = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.mlp(x)
-
-
 def test_parameter_without_gradient(pg1):
-    model, opt, batch = setup(_WithUnused)
+    model, opt, batch = setup(UnusedParamMLP)
     compiled = spmd_compile(DataParallel("replicate"))(train_step)
     with pytest.raises(MissingGradientError) as ei:
         compiled(model, opt, batch)
@@ -192,7 +172,7 @@ def test_parameter_without_gradient(pg1):
 
 def test_frozen_parameter_is_not_an_error(pg1):
     """The fix the message above suggests works: a frozen unused parameter compiles and runs."""
-    model, opt, batch = setup(_WithUnused)
+    model, opt, batch = setup(UnusedParamMLP)
     model.unused.requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     compiled = spmd_compile(DataParallel("replicate"))(train_step)

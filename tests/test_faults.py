@@ -30,7 +30,7 @@ def _rank(rank: int, port: int, fault: str, timeout_s: float, results) -> None:
     import torch.distributed as dist
 
     from spmd_compiler import DataParallel, spmd_compile
-    from tests.models import SimpleMLP
+    from tests.models import SimpleMLP, train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -38,17 +38,7 @@ def _rank(rank: int, port: int, fault: str, timeout_s: float, results) -> None:
     torch.manual_seed(0)
     model = SimpleMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    calls = {"n": 0}
-
-    def step_fn(model, optim, batch):
-        optim.zero_grad()
-        x, y = batch
-        loss = (model(x) - y).sum()
-        loss.backward()
-        optim.step()
-        return loss
-
-    step = spmd_compile(DataParallel("replicate"))(step_fn)
+    step = spmd_compile(DataParallel("replicate"))(train_step)
     batch = (torch.randn(8, 50), torch.randn(8, 8))
     step(model, opt, batch)  # compiled and run once on both ranks
     started = time.monotonic()
@@ -67,15 +57,17 @@ def _rank(rank: int, port: int, fault: str, timeout_s: float, results) -> None:
         os._exit(0)
 
 
-@pytest.mark.parametrize("fault", ["dies", "stuck"])
-def test_peer_failure_raises_collective_error_within_timeout(fault):
+def run_two_ranks(target, *args, patience: float = 120.0) -> tuple[dict, list]:
+    """Run ``target(rank, port, *args, results)`` in two fresh processes, wait at most
+    ``patience`` seconds for both, kill what is left. Returns the reports each rank put in
+    ``results`` (rank -> (kind, message, seconds)) and the processes (for their exit codes)."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port, timeout_s = _port(), 5.0
-    procs = [ctx.Process(target=_rank, args=(r, port, fault, timeout_s, results)) for r in range(2)]
+    port = _port()
+    procs = [ctx.Process(target=target, args=(r, port, *args, results)) for r in range(2)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + patience
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
     for p in procs:
@@ -85,6 +77,13 @@ def test_peer_failure_raises_collective_error_within_timeout(fault):
     while not results.empty():
         rank, kind, message, seconds = results.get()
         reports[rank] = (kind, message, seconds)
+    return reports, procs
+
+
+@pytest.mark.parametrize("fault", ["dies", "stuck"])
+def test_peer_failure_raises_collective_error_within_timeout(fault):
+    timeout_s = 5.0
+    reports, procs = run_two_ranks(_rank, fault, timeout_s)
     assert 0 in reports, f"rank 0 reported nothing (exit codes {[p.exitcode for p in procs]})"
     kind, message, seconds = reports[0]
     assert kind == "CollectiveError", (kind, message)

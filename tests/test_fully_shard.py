@@ -1,6 +1,6 @@
 """fully_shard data parallelism checked on real gloo groups (world sizes 2 and 3).
 
-World size 3 makes shards uneven: a bias of 8 rows is split 3/3/2, and :class:`SmallRowsMLP`'s
+World size 3 makes shards uneven: a bias of 8 rows is split 3/3/2, and :func:`SmallRowsMLP`'s
 first layer (2 rows) leaves the last rank of 3 with an empty shard.
 
 What is checked:
@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.models import MODELS, SimpleMLP, mse_step, train_step
-from tests.multirank import ParityChecker, SelectedCases, rank_data
+from tests.models import MODELS, SimpleMLP, TransposedMLP, TwoLayerMLP, mse_step, train_step
+from tests.multirank import ParityChecker, SelectedCases, assert_parity_report, rank_data
+from tests.steps import clip_norm, diff_sum, step_with
 from tests.test_replicate import _make_optimizer
 
 BATCH = 16  # local batch size of the full steps
@@ -59,28 +60,9 @@ ROUND_TRIP_ATOL = 1e-7
 # --------------------------------------------------------------------------------------------------
 
 
-class TransposedMLP(nn.Module):
-    """The seed's non-0 batch dim model: inputs are ``(50, batch)``, outputs ``(8, batch)``."""
-
-    def __init__(self):
-        super().__init__()
-        self.mlp = SimpleMLP()
-
-    def forward(self, x):
-        reshaped_x = x.t().contiguous()
-        return self.mlp(reshaped_x).t()
-
-
-class SmallRowsMLP(nn.Module):
+def SmallRowsMLP():  # noqa: N802 (a model constructor, named like the others)
     """A first layer with 2 output rows: fewer rows than ranks at world size 3."""
-
-    def __init__(self):
-        super().__init__()
-        self.net1 = nn.Linear(50, 2)
-        self.net2 = nn.Linear(2, 8)
-
-    def forward(self, x):
-        return torch.sigmoid(self.net2(torch.relu(self.net1(x))))
+    return TwoLayerMLP(50, 2, 8, sigmoid=True)
 
 
 class UnevenMLP(nn.Module):
@@ -128,41 +110,12 @@ FS_MODELS = {**MODELS, "TransposedMLP": TransposedMLP, "SmallRowsMLP": SmallRows
              "ScalarParamMLP": ScalarParamMLP}
 
 
-def clip_step(model, optim, train_batch):
-    """train_step with ``clip_grad_norm_`` between backward and step; returns the total norm too."""
-
-    def loss_fn(out, labels):
-        return (out - labels).sum()
-
-    optim.zero_grad()
-    inputs, labels = train_batch
-    loss = loss_fn(model(inputs), labels)
-    loss.backward()
-    total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    optim.step()
-    return loss, total_norm
-
-
-def clip_step_loop(model, optim, train_batch):
-    """clip_step with ``foreach=False``: per-parameter ``linalg_vector_norm``, stacked."""
-    optim.zero_grad()
-    inputs, labels = train_batch
-    loss = (model(inputs) - labels).sum()
-    loss.backward()
-    total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=False)
-    optim.step()
-    return loss, total_norm
-
-
-def clip_step_inf(model, optim, train_batch):
-    """clip_step with the max-norm (``norm_type=inf``): completed with an all_reduce(max)."""
-    optim.zero_grad()
-    inputs, labels = train_batch
-    loss = (model(inputs) - labels).sum()
-    loss.backward()
-    total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=math.inf)
-    optim.step()
-    return loss, total_norm
+# train_step with ``clip_grad_norm_`` between backward and step; each returns the total norm too
+clip_step = step_with(diff_sum, between=clip_norm(MAX_NORM), name="clip_step")
+# foreach=False: per-parameter ``linalg_vector_norm``, stacked
+clip_step_loop = step_with(diff_sum, between=clip_norm(MAX_NORM, foreach=False), name="clip_step_loop")
+# the max-norm (``norm_type=inf``): completed with an all_reduce(max)
+clip_step_inf = step_with(diff_sum, between=clip_norm(MAX_NORM, norm_type=math.inf), name="clip_step_inf")
 
 
 STEP_FNS = {"train_step": train_step, "mse_step": mse_step, "clip_step": clip_step,
@@ -334,14 +287,8 @@ def graph_collectives(gm) -> dict:
     """What the final graph communicates: node counts per kind, the parameters each kind covers
     (from the collective meta; a bucket lists several), and the all_reduce result shapes."""
     from spmd_compiler.passes import meta
+    from spmd_compiler.passes.collectives import COLLECTIVE_OPS as kinds, c10d
 
-    c10d = torch.ops._c10d_functional
-    kinds = {
-        c10d.all_gather_into_tensor.default: "all_gather",
-        c10d.reduce_scatter_tensor.default: "reduce_scatter",
-        c10d.all_reduce.default: "all_reduce",
-        c10d.broadcast.default: "broadcast",
-    }
     counts: Counter = Counter()
     covered: dict[str, dict[str, list[str]]] = {}
     all_reduce_shapes = []
@@ -454,17 +401,7 @@ def test_fully_shard_matches_ddp(pool, case, record_property):
     for rank in range(pool.world_size):
         rep = _case_report(pool, case, rank)
         record_property(f"rank{rank}_max_err", rep["max_err"])
-        problems = rep["problems"]
-        assert not problems, (
-            f"{case} (world size {pool.world_size}) differs from DDP on rank {rank}: "
-            f"{len(problems)} problem(s):\n  " + "\n  ".join(problems[:20])
-        )
-        counts = rep["counts"]
-        assert counts[-1] == counts[-2], f"{case}: the short batch recompiled: counts {counts}"
-        assert counts[1:] == [expected_compiles] * (len(counts) - 1), (
-            f"{case}: compile_count after each step {counts}, expected {expected_compiles} from "
-            f"the second step on"
-        )
+        assert_parity_report(rep, case, pool.world_size, rank, expected_compiles)
         if CASES[case].get("step") in _CLIP_STEPS:
             # Clipping must actually scale the gradients, or the test proves nothing.
             assert min(rep["norms"]) > MAX_NORM, rep["norms"]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.multirank import ParityChecker, rank_data
+from tests.steps import sum_step
 
 STEPS = 4
 LR = 1e-2
@@ -87,14 +88,6 @@ def init_two_tensor_mlp(dim: int) -> nn.Module:
     return model
 
 
-def sum_step(model, optim, x):
-    optim.zero_grad()
-    loss = model(x).sum()
-    loss.backward()
-    optim.step()
-    return loss
-
-
 def parts(t):
     """The plain tensors of ``t``'s local part: each inner tensor of a subclass."""
     from torch.distributed.tensor import DTensor
@@ -136,6 +129,25 @@ def gathers(compiled) -> list[tuple[str, int, str]]:
             for n in gm.graph.nodes if meta.GATHERED in n.meta and meta.COLLECTIVE in n.meta]
 
 
+def train_against(compiled, model, optim, ref, ref_optim, dim: int, seed: int):
+    """STEPS steps of ``compiled`` and of the FSDP2 reference ``ref`` on this rank's own
+    ``(2, dim)`` batches (seeds ``seed``, ``seed + 1``, ...): every part of the loss, every
+    parameter and optimizer state compared after each step. Returns the checker and how often
+    the hooks ran during the compiled calls ({"pre": n, "post": n})."""
+    chk = ParityChecker()
+    calls = {"pre": 0, "post": 0}
+    for i in range(STEPS):
+        x = rank_data(seed + i, (2, dim))
+        CALLS.update(pre=0, post=0)
+        loss = compiled(model, optim, x)
+        calls = {k: calls[k] + CALLS[k] for k in calls}
+        ref_loss = sum_step(ref, ref_optim, x)
+        for k, (a, e) in enumerate(zip(parts(loss), parts(ref_loss))):
+            chk.close("loss", f"step {i}: loss[{k}]", a.detach(), e.detach())
+        compare(chk, f"step {i}", model, optim, ref, ref_optim)
+    return chk, calls
+
+
 def two_tensor_parity_job(reshard_after_forward: bool, dim: int) -> dict:
     from spmd_compiler import DataParallel, spmd_compile
 
@@ -148,17 +160,7 @@ def two_tensor_parity_job(reshard_after_forward: bool, dim: int) -> dict:
         ref_optim = torch.optim.Adam(ref.parameters(), lr=LR, foreach=True)
         compiled = spmd_compile(DataParallel(
             "fully_shard", reshard_after_forward=reshard_after_forward))(sum_step)
-        chk = ParityChecker()
-        ours = {"pre": 0, "post": 0}
-        for i in range(STEPS):
-            x = rank_data(300 + i, (2, dim))
-            CALLS.update(pre=0, post=0)
-            loss = compiled(model, optim, x)
-            ours = {k: ours[k] + CALLS[k] for k in ours}
-            ref_loss = sum_step(ref, ref_optim, x)
-            for k, (a, e) in enumerate(zip(parts(loss), parts(ref_loss))):
-                chk.close("loss", f"step {i}: loss[{k}]", a.detach(), e.detach())
-            compare(chk, f"step {i}", model, optim, ref, ref_optim)
+        chk, ours = train_against(compiled, model, optim, ref, ref_optim, dim, seed=300)
         hooked = sum(1 for _ in model.parameters())
         return dict(problems=chk.problems, max_err=chk.max_err, calls=ours,
                     compiles=compiled.compile_count, hooked=hooked, gathers=gathers(compiled))
@@ -448,16 +450,7 @@ def monkey_patch_job(dim: int) -> dict:
     optim = torch.optim.Adam(model.parameters(), lr=LR, foreach=True)
     ref_optim = torch.optim.Adam(ref.parameters(), lr=LR, foreach=True)
     compiled = spmd_compile(DataParallel("fully_shard"))(sum_step)
-    chk = ParityChecker()
-    calls = {"pre": 0, "post": 0}
-    for i in range(STEPS):
-        x = rank_data(600 + i, (2, dim))
-        CALLS.update(pre=0, post=0)
-        loss = compiled(model, optim, x)
-        calls = {k: calls[k] + CALLS[k] for k in calls}
-        ref_loss = sum_step(ref, ref_optim, x)
-        chk.close("loss", f"step {i}: loss", loss, ref_loss.detach())
-        compare(chk, f"step {i}", model, optim, ref, ref_optim)
+    chk, calls = train_against(compiled, model, optim, ref, ref_optim, dim, seed=600)
     carried = all(hasattr(p._local_tensor, "fsdp_pre_all_gather") for n, p in model.named_parameters()
                   if "weight" in n)
     return dict(problems=chk.problems, max_err=chk.max_err, calls=calls, hooked=hooked,

@@ -7,7 +7,6 @@ the reference side between steps.
 
 from __future__ import annotations
 
-import logging
 import traceback
 
 import pytest
@@ -15,7 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tests.logs import messages, spmd_log
 from tests.models import train_step
+from tests.steps import weighted_mse_step
 from tests.test_robustness import Report, _adam, _sgd, parity_run, xy
 
 LOSS_WEIGHT = 1.0  # read by weighted_step: a module-level setting a schedule changes
@@ -47,12 +48,7 @@ class Head(nn.Module):
 
 
 def weighted_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = nn.functional.mse_loss(model(x), y) * LOSS_WEIGHT
-    loss.backward()
-    optim.step()
-    return loss
+    return weighted_mse_step(model, optim, batch, LOSS_WEIGHT)
 
 
 def config_step(model, optim, batch):
@@ -69,12 +65,7 @@ def scaled_step_and_setter():
     scale = 1.0
 
     def scaled_step(model, optim, batch):
-        optim.zero_grad()
-        x, y = batch
-        loss = nn.functional.mse_loss(model(x), y) * scale
-        loss.backward()
-        optim.step()
-        return loss
+        return weighted_mse_step(model, optim, batch, scale)
 
     def set_scale(value):
         nonlocal scale
@@ -106,19 +97,9 @@ def _temperature(m):
 
 def _logged(fn):
     """Run ``fn()``; return the spmd_compiler log lines it wrote."""
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("spmd_compiler")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with spmd_log() as records:
         fn()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return lines
+    return messages(records)
 
 
 def _run(rep, mode, step, change, steps=5, opt_fn=_sgd):

@@ -17,44 +17,23 @@ from copy import deepcopy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
+from tests.models import TwoLayerMLP
 from tests.multirank import ParityChecker, rank_data
+from tests.steps import clip_norm, square_mean_step, square_sum, square_sum_step, step_with
 from tests.test_fully_shard import compare_with_reference
 
 STEPS = 4
 BATCH = 6
 
 
-class OddMLP(nn.Module):
+def OddMLP():  # noqa: N802 (a model constructor, named like the others)
     """33 hidden rows: shards over 2 ranks are 17 + 16 rows (padding in every collective)."""
-
-    def __init__(self):
-        super().__init__()
-        self.net1 = nn.Linear(20, 33)
-        self.net2 = nn.Linear(33, 5)
-
-    def forward(self, x):
-        return self.net2(torch.relu(self.net1(x)))
+    return TwoLayerMLP(20, 33, 5)
 
 
-def adam_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = ((model(x) - y) ** 2).sum()
-    loss.backward()
-    optim.step()
-    return loss
-
-
-def clip_sgd_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = ((model(x) - y) ** 2).sum()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optim.step()
-    return loss
+adam_step = square_sum_step
+clip_sgd_step = step_with(square_sum, between=clip_norm(1.0, returned=False))
 
 
 OPTIMS = {
@@ -225,14 +204,7 @@ def test_hybrid_shard_matches_hsdp_and_ddp(pool4, case, record_property):
 # --------------------------------------------------------------------------------------------------
 
 
-def mean_step(model, optim, batch):
-    """A mean loss: 4 ranks' batches averaged equal 2 ranks' of two batches each."""
-    optim.zero_grad()
-    x, y = batch
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    optim.step()
-    return loss
+mean_step = square_mean_step  # a mean loss: 4 ranks' batches averaged equal 2 ranks' of two each
 
 
 def save_job(path: str) -> None:

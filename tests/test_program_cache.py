@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import os
 import sys
 from copy import deepcopy
@@ -21,17 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tests.logs import messages, spmd_log
 from tests.models import SimpleMLP, mse_step, train_step
 from tests.multirank import ParityChecker, rank_data
-
-
-class _Messages(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
+from tests.steps import weighted_mse_step
 
 
 def _train(step_fn, model, cache_dir, mode="replicate", steps=3, **options) -> dict:
@@ -39,21 +31,14 @@ def _train(step_fn, model, cache_dir, mode="replicate", steps=3, **options) -> d
     final parameters, the compile and cache-hit counts and the spmd_compiler log."""
     from spmd_compiler import DataParallel, spmd_compile
 
-    logger = logging.getLogger("spmd_compiler")
-    handler, level = _Messages(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with spmd_log() as records:
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         step = spmd_compile(DataParallel(mode, **options), cache_dir=cache_dir)(step_fn)
         for i in range(steps):
             step(model, opt, rank_data(300 + i, (8, 50), (8, 8)))
-        params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-        return dict(params=params, compiles=step.compile_count, hits=step.cache_hits,
-                    log=handler.lines)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    return dict(params=params, compiles=step.compile_count, hits=step.cache_hits,
+                log=messages(records))
 
 
 def _programs(cache_dir: str) -> list[str]:
@@ -250,12 +235,7 @@ SHIFT = 0.0  # a module-level value the model's forward reads
 
 
 def args_step(model, optim, batch):
-    optim.zero_grad()
-    x, y = batch
-    loss = nn.functional.mse_loss(model(x), y) * ARGS.loss_weight
-    loss.backward()
-    optim.step()
-    return loss
+    return weighted_mse_step(model, optim, batch, ARGS.loss_weight)
 
 
 class ShiftMLP(SimpleMLP):
@@ -268,12 +248,7 @@ class WeightedTrainer:
         self.weight = weight
 
     def step(self, model, optim, batch):
-        optim.zero_grad()
-        x, y = batch
-        loss = nn.functional.mse_loss(model(x), y) * self.weight
-        loss.backward()
-        optim.step()
-        return loss
+        return weighted_mse_step(model, optim, batch, self.weight)
 
 
 def _variant(name: str, value: float):
@@ -332,23 +307,21 @@ def settings_differ_job(cache_dir: str, setting: str) -> dict:
     variable = "SPMD_CACHE_DIR" if setting == "cache" else "SPMD_DUMP_DIR"
     if dist.get_rank() == 1:
         os.environ[variable] = os.path.join(cache_dir, f"rank{dist.get_rank()}")
-    warnings = _Messages()
-    logging.getLogger("spmd_compiler").addHandler(warnings)
     try:
-        torch.manual_seed(0)
-        model = SimpleMLP()
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        cache = None if setting == "cache" else os.path.join(cache_dir, "shared")
-        step = spmd_compile(DataParallel("replicate"), mesh=mesh, cache_dir=cache)(train_step)
-        for i in range(3):
-            step(model, opt, rank_data(300 + i, (8, 50), (8, 8)))
+        with spmd_log() as records:
+            torch.manual_seed(0)
+            model = SimpleMLP()
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            cache = None if setting == "cache" else os.path.join(cache_dir, "shared")
+            step = spmd_compile(DataParallel("replicate"), mesh=mesh, cache_dir=cache)(train_step)
+            for i in range(3):
+                step(model, opt, rank_data(300 + i, (8, 50), (8, 8)))
         return dict(compiles=step.compile_count, hits=step.cache_hits,
-                    warned=[m for m in warnings.lines if variable in m and "off on every rank" in m])
+                    warned=[m for m in messages(records) if variable in m and "off on every rank" in m])
     except Exception as e:  # noqa: BLE001 - reported to the test
         return dict(error=f"{type(e).__name__}: {e}")
     finally:
         os.environ.pop(variable, None)
-        logging.getLogger("spmd_compiler").removeHandler(warnings)
 
 
 @pytest.mark.parametrize("setting", ["cache", "dump"])

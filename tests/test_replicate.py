@@ -18,7 +18,6 @@ optimizer-state errors up to ~1e-6 and loss errors up to ~8e-6 (on summed losses
 
 from __future__ import annotations
 
-import logging
 import traceback
 from copy import deepcopy
 
@@ -27,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from spmd_compiler.consistency import exchange_objects
+from tests.logs import messages as log_messages, spmd_log
 from tests.models import MODELS, flexible_step, mse_step, train_step
-from tests.multirank import ParityChecker, SelectedCases, rank_data
+from tests.multirank import ParityChecker, SelectedCases, assert_parity_report, rank_data
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -247,20 +247,7 @@ def test_replicate_matches_ddp(pool, case):
         # Observed max abs errors (shown with -rP / -s).
         print(f"{case} ws{pool.world_size} rank {rank}: max abs err "
               + ", ".join(f"{k} {v:.2g}" for k, v in rep["max_err"].items()))
-        problems = rep["problems"]
-        assert not problems, (
-            f"{case} (world size {pool.world_size}) differs from DDP on rank {rank}: "
-            f"{len(problems)} problem(s):\n  " + "\n  ".join(problems[:20])
-        )
-        counts = rep["counts"]
-        # The short last batch runs on the graph compiled for the full batches.
-        assert counts[-1] == counts[-2], f"{case}: the short batch recompiled: counts {counts}"
-        assert counts[-1] == expected_compiles, (
-            f"{case}: compile_count after each step {counts}, expected {expected_compiles} in all"
-        )
-        assert counts[1:] == [expected_compiles] * (len(counts) - 1), (
-            f"{case}: steady-state steps recompiled: compile_count after each step {counts}"
-        )
+        assert_parity_report(rep, case, pool.world_size, rank, expected_compiles)
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
@@ -282,15 +269,6 @@ def test_scheduler_lr_takes_effect_without_recompiling(pool):
 # --------------------------------------------------------------------------------------------------
 
 
-class _ListHandler(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def caching_job() -> dict:
     """One compiled step called with changing models, optimizers, batch structures and dtypes.
 
@@ -301,12 +279,7 @@ def caching_job() -> dict:
 
     from spmd_compiler import DataParallel, spmd_compile
 
-    logger = logging.getLogger("spmd_compiler")
-    handler = _ListHandler()
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with spmd_log() as records:
         compiled = spmd_compile(DataParallel("replicate"))(flexible_step)
         chk = ParityChecker(RTOL, ATOL)
         events = []
@@ -326,12 +299,12 @@ def caching_job() -> dict:
                 data = torch.cat([x, y], dim=1)
                 x, y = data[:, :50], data[:, 50:]
             batch = {"x": x, "y": y} if kind == "dict" else (x, y)
-            before = len(handler.messages)
+            before = len(records)
             loss = compiled(model, opt, deepcopy(batch))
             ddp_loss = flexible_step(ddp, ddp_opt, batch)
             chk.close("loss", f"{event} (call {i}): loss", loss, ddp_loss.detach())
             compare_with_ddp(chk, i, model, opt, ddp.module, ddp_opt)
-            events.append((event, compiled.compile_count, handler.messages[before:]))
+            events.append((event, compiled.compile_count, log_messages(records[before:])))
 
         call("first call", model_a, sgd_a, ddp_a, ddp_sgd_a)
         call("same again", model_a, sgd_a, ddp_a, ddp_sgd_a)
@@ -371,9 +344,6 @@ def caching_job() -> dict:
         call("back to the first model and Adam", model_a, adam_a, ddp_a, ddp_adam_a)
         call("back to the second model", model_b, sgd_b, ddp_b, ddp_sgd_b)
         return dict(events=events, problems=chk.problems, max_err=chk.max_err)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
 
 
 # event -> (compiles added by that call, what the recompile log on rank 0 must name as changed,

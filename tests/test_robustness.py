@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.models import SimpleMLP, train_step
+from tests.models import SimpleMLP, UnusedParamMLP, train_step
 from tests.multirank import SelectedCases, rank_data
+from tests.steps import square_mean, step_with
 from tests.test_replicate import ATOL, RTOL
 
 # The seed's loss is a sum of b x 8 signed differences that mostly cancel: its float32 round-off is
@@ -98,24 +99,20 @@ def constants_step(model, optim, batch):
     return loss, kind
 
 
-def weighted_step(model, optim, batch):
+def weighted(model, batch):
     """``w`` is a per-feature weight shared by all samples (not batched)."""
-    optim.zero_grad()
     x, y, w = batch
-    loss = ((model(x) - y) * w).sum()
-    loss.backward()
-    optim.step()
-    return loss
+    return ((model(x) - y) * w).sum()
 
 
-def feature_major_step(model, optim, batch):
+def feature_major(model, batch):
     """``x`` comes feature-major, ``(50, b)``: its batch dim is 1."""
-    optim.zero_grad()
     x, y = batch
-    loss = (model(x.t()) - y).sum()
-    loss.backward()
-    optim.step()
-    return loss
+    return (model(x.t()) - y).sum()
+
+
+weighted_step = step_with(weighted)
+feature_major_step = step_with(feature_major)
 
 
 def returns_none_step(model, optim, batch):
@@ -137,15 +134,12 @@ def maybe_branch_step(model, optim, batch, branch=False):
     return loss
 
 
-def grad_norm_step(model, optim, batch):
-    """Logs the global gradient norm the way many training loops do: one flat vector."""
-    optim.zero_grad()
-    x, y = batch
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    grad_norm = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()  # FLAT-NORM
-    optim.step()
-    return loss, grad_norm
+def flat_grad_norm(model):
+    """The global gradient norm the way many training loops log it: one flat vector."""
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()  # FLAT-NORM
+
+
+grad_norm_step = step_with(square_mean, between=flat_grad_norm, name="grad_norm_step")
 
 
 def _sgd(m):
@@ -237,22 +231,39 @@ def _loss_of(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def fresh_adam_mlp(mode: str, step=train_step):
+    """The seeded SimpleMLP, its Adam (no state yet) and ``step`` compiled for ``mode``."""
+    from spmd_compiler import DataParallel, spmd_compile
+
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    return model, _adam(model), spmd_compile(DataParallel(mode))(step)
+
+
+def with_ddp(mode: str, model_fn, opt_fn, step, **dp_kwargs):
+    """The same seeded model (on every rank) compiled with ``step`` and as a DDP copy, each with
+    its own optimizer: ``(model, opt, compiled step, ddp, ref_opt)``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    torch.manual_seed(0)  # the same initial model on every rank
+    model = model_fn()
+    ddp = DDP(deepcopy(model))
+    opt, ref_opt = opt_fn(model), opt_fn(ddp.module)
+    return model, opt, spmd_compile(DataParallel(mode, **dp_kwargs))(step), ddp, ref_opt
+
+
 def parity_run(rep: Report, mode: str, model_fn, opt_fn, step, batches, *, dp_kwargs=None,
                before_each=None, stop_on_error=False) -> list[int]:
     """Run ``step`` compiled and on a DDP copy with the same batches; compare after every step.
     Returns compile_count after each step. With ``stop_on_error`` a call that raises an SPMDError
     ends the run, recording the error (``facts["raised"]``: step, type, message, whether it is an
     UnsupportedError) and what the failed call changed (``facts["untouched"]``: should be [])."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from spmd_compiler import DataParallel, SPMDError, spmd_compile
+    from spmd_compiler import SPMDError
     from spmd_compiler.errors import UnsupportedError
 
-    torch.manual_seed(0)  # the same initial model on every rank
-    model = model_fn()
-    ddp = DDP(deepcopy(model))
-    opt, ref_opt = opt_fn(model), opt_fn(ddp.module)
-    compiled = spmd_compile(DataParallel(mode, **(dp_kwargs or {})))(step)
+    model, opt, compiled, ddp, ref_opt = with_ddp(mode, model_fn, opt_fn, step, **(dp_kwargs or {}))
     counts = []
     for i, batch in enumerate(batches):
         if before_each is not None:
@@ -462,15 +473,7 @@ def case_returns_none(rep, mode):
 def case_eager_then_compiled(rep, mode):
     """Two eager steps (gradients and Adam state exist as plain tensors), then compiled steps:
     the compiled step takes the state over and continues exactly like DDP."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from spmd_compiler import DataParallel, spmd_compile
-
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    ddp = DDP(deepcopy(model))
-    opt, ref_opt = _adam(model), _adam(ddp.module)
-    compiled = spmd_compile(DataParallel(mode))(train_step)
+    model, opt, compiled, ddp, ref_opt = with_ddp(mode, SimpleMLP, _adam, train_step)
     for i in range(2):
         # The single-device eager step on every rank's own data would diverge the ranks; to stay
         # comparable every rank runs the eager step on rank 0's data, as DDP would see it averaged
@@ -493,15 +496,7 @@ def case_compiled_then_eager(rep, mode):
     """After compiled steps the parameters are DTensors; the plain eager step (forward, backward,
     optimizer) still runs, averages its gradients as DDP does and matches DDP, and compiled steps
     go on matching DDP without recompiling."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from spmd_compiler import DataParallel, spmd_compile
-
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    ddp = DDP(deepcopy(model))
-    opt, ref_opt = _adam(model), _adam(ddp.module)
-    compiled = spmd_compile(DataParallel(mode))(train_step)
+    model, opt, compiled, ddp, ref_opt = with_ddp(mode, SimpleMLP, _adam, train_step)
     for i in range(2):
         x, y = xy(i)
         compiled(model, opt, (x.clone(), y.clone()))
@@ -546,14 +541,10 @@ def case_momentum_changed(rep, mode):
 
 def case_empty_batch(rep, mode):
     """A batch dim of size 0 on every rank: BatchDimError naming the shape, nothing placed."""
-    from spmd_compiler import DataParallel, spmd_compile
     from spmd_compiler.errors import BatchDimError
 
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    opt = _adam(model)
+    model, opt, compiled = fresh_adam_mlp(mode)
     before = snapshot(model, [opt])
-    compiled = spmd_compile(DataParallel(mode))(train_step)
     try:
         compiled(model, opt, (torch.zeros(0, 50), torch.zeros(0, 8)))
         rep.facts["raised"] = None
@@ -682,16 +673,6 @@ def diff_snapshots(before: dict, after: dict) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 
-class _Unused(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mlp = SimpleMLP()
-        self.unused = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.mlp(x)
-
-
 def _expect_failure(results: dict, name: str, compiled, model, opts, call, error_types) -> None:
     """Run ``call()`` (which must raise one of ``error_types``); record the snapshot difference."""
     before = snapshot(model, opts)
@@ -708,8 +689,6 @@ def _expect_failure(results: dict, name: str, compiled, model, opts, call, error
 
 
 def atomicity_job(mode: str) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from spmd_compiler import DataParallel, spmd_compile
     from spmd_compiler.errors import MissingGradientError, TraceError
 
@@ -717,10 +696,7 @@ def atomicity_job(mode: str) -> dict:
     dp = DataParallel(mode)
 
     # 1. Fresh model, fresh Adam (no state yet): data-dependent control flow.
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    opt = _adam(model)
-    compiled = spmd_compile(dp)(maybe_branch_step)
+    model, opt, compiled = fresh_adam_mlp(mode, maybe_branch_step)
     _expect_failure(results, "fresh: branch on a tensor", compiled, model, [opt],
                     lambda: compiled(model, opt, xy(0), branch=True), TraceError)
 
@@ -732,7 +708,7 @@ def atomicity_job(mode: str) -> dict:
 
     # 3. Fresh model with a parameter the loss does not use.
     torch.manual_seed(0)
-    unused = _Unused()
+    unused = UnusedParamMLP()
     opt_u = torch.optim.SGD(unused.parameters(), lr=0.1, momentum=0.9)
     compiled_u = spmd_compile(dp)(train_step)
     _expect_failure(results, "fresh: parameter without gradient", compiled_u, unused, [opt_u],
@@ -740,11 +716,7 @@ def atomicity_job(mode: str) -> dict:
 
     # 4. Already compiled (parameters and Adam state placed on the mesh), then a call whose
     #    recompile fails; the DDP reference sees only the successful steps.
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    ddp = DDP(deepcopy(model))
-    opt, ref_opt = _adam(model), _adam(ddp.module)
-    compiled = spmd_compile(dp)(maybe_branch_step)
+    model, opt, compiled, ddp, ref_opt = with_ddp(mode, SimpleMLP, _adam, maybe_branch_step)
     rep = Report()
     step_no = 0
 
@@ -808,36 +780,45 @@ def runs(*names: str):
         for ws, modes in ((2, CATALOGUE[name][1]), (3, WS3_CASES.get(name, ()))):
             for mode in modes:
                 params.append((ws, mode, name) if len(names) > 1 else (ws, mode))
-                ids.append(f"{name.split('_', 1)[-1] + '-' if len(names) > 1 else ''}{mode}-ws{ws}")
+                ids.append(f"{name + '-' if len(names) > 1 else ''}{mode}-ws{ws}")
     argnames = "pool, mode, case" if len(names) > 1 else "pool, mode"
     parametrize = pytest.mark.parametrize(argnames, params, indirect=["pool"], ids=ids)
     return lambda test: parametrize(pytest.mark.catalogue(names[0])(test))
 
 
-@runs("constants_in_batch")
-def test_constants_in_batch_recompile_on_change(pool, mode):
-    for rep in _case(pool, "constants_in_batch", mode):
-        # (2,sum) compiles; again: cached; (3,sum), (3,mse): new; (2,sum): cached; (0.5,mse): new.
-        assert rep["facts"]["counts"] == [1, 1, 2, 3, 3, 4], rep["facts"]["counts"]
+# Cases that match DDP and compile exactly when a call is new: the compile count after each call.
+COMPILE_COUNTS = {
+    # (2,sum) compiles; again: cached; (3,sum), (3,mse): new; (2,sum): cached; (0.5,mse): new.
+    "constants_in_batch": [1, 1, 2, 3, 3, 4],
+    # a batch with a None batch dim: momentum buffers created, then steady state
+    "unbatched_input": [1, 2, 2],
+    # state creation, steady state, and no recompile for the short batch
+    "batch_dim_1": [1, 2, 2],
+    # float64 labels promote like eager: one graph
+    "labels_float64": [1, 1, 1],
+    # a step returning None
+    "returns_none": [1, 2, 2],
+    # eager steps first: Adam's state already exists, one compile for the steady state
+    "eager_then_compiled": [1, 1, 1],
+    # eval, eval, train (new), train, eval (cached), train (cached)
+    "eval_train_dropout": [1, 1, 2, 2, 2, 2],
+    # momentum state created, steady state, momentum 0.5 (new), again (cached)
+    "momentum_changed": [1, 2, 3, 3],
+}
 
 
-@runs("unbatched_input")
-def test_unbatched_input_with_none_batch_dim(pool, mode):
-    for rep in _case(pool, "unbatched_input", mode):
-        assert rep["facts"]["counts"] == [1, 2, 2]  # momentum buffers created, then steady state
+@runs(*COMPILE_COUNTS)
+def test_compiles_once_per_new_call_and_matches_ddp(pool, mode, case):
+    for rep in _case(pool, case, mode):
+        assert rep["facts"]["counts"] == COMPILE_COUNTS[case], rep["facts"]["counts"]
 
 
-@runs("batch_dim_1")
-def test_batch_dim_1_and_short_batch(pool, mode):
-    for rep in _case(pool, "batch_dim_1", mode):
-        counts = rep["facts"]["counts"]
-        assert counts == [1, 2, 2], f"expected state creation, steady state, no recompile: {counts}"
-
-
-@runs("labels_float64")
-def test_float64_labels_promote_like_eager(pool, mode):
-    for rep in _case(pool, "labels_float64", mode):
-        assert rep["facts"]["counts"] == [1, 1, 1]
+# Parity alone: param_not_in_optimizer (and `extra` never changed), frozen_param (and no
+# gradient collective for extra.*), frozen_param_in_optimizer, optimizers no other test uses.
+@runs("param_not_in_optimizer", "frozen_param", "frozen_param_in_optimizer",
+      *[f"optimizer_{name}" for name in EXTRA_OPTIMIZERS])
+def test_matches_ddp(pool, mode, case):
+    _case(pool, case, mode)
 
 
 @runs("inputs_float64")
@@ -848,26 +829,6 @@ def test_float64_inputs_raise_like_eager(pool, mode):
         assert ours is not None, "a float64 batch into a float32 model ran without an error"
         # Either eager's own error or an SPMDError that says what is wrong.
         assert "dtype" in ours[1] and ("Double" in ours[1] or "float64" in ours[1]), ours
-
-
-@runs("param_not_in_optimizer")
-def test_param_not_in_optimizer_is_not_updated(pool, mode):
-    _case(pool, "param_not_in_optimizer", mode)  # asserts parity and that `extra` never changed
-
-
-@runs("frozen_param")
-def test_frozen_param_is_not_synchronized(pool, mode):
-    _case(pool, "frozen_param", mode)  # parity, and no gradient collective for extra.*
-
-
-@runs("frozen_param_in_optimizer")
-def test_frozen_param_held_by_optimizer(pool, mode):
-    _case(pool, "frozen_param_in_optimizer", mode)
-
-
-@runs(*[f"optimizer_{name}" for name in EXTRA_OPTIMIZERS])
-def test_untested_optimizer_matches_ddp(pool, mode, case):
-    _case(pool, case, mode)
 
 
 @runs(*[f"item_optimizer_{name}" for name in ITEM_OPTIMIZERS])
@@ -900,7 +861,7 @@ def test_optimizer_reading_item_is_named_unsupported(pool, mode, case):
 def _flat_norm_line() -> int:
     import inspect
 
-    lines, start = inspect.getsourcelines(grad_norm_step)
+    lines, start = inspect.getsourcelines(flat_grad_norm)
     return start + next(i for i, text in enumerate(lines) if "FLAT-NORM" in text)
 
 
@@ -931,19 +892,6 @@ def test_batch_of_one_then_larger_batches_match_ddp(pool, mode):
         assert rep["facts"]["counts"][-1] <= 2, rep["facts"]["counts"]
 
 
-@runs("returns_none")
-def test_step_returning_none(pool, mode):
-    for rep in _case(pool, "returns_none", mode):
-        assert rep["facts"]["counts"] == [1, 2, 2]
-
-
-@runs("eager_then_compiled")
-def test_eager_steps_then_compiled_steps(pool, mode):
-    for rep in _case(pool, "eager_then_compiled", mode):
-        # Adam's state already exists: one compile for the steady state.
-        assert rep["facts"]["counts"] == [1, 1, 1], rep["facts"]["counts"]
-
-
 @runs("compiled_then_eager")
 def test_eager_step_after_compiled_steps_matches_ddp(pool, mode):
     for rep in _case(pool, "compiled_then_eager", mode):
@@ -951,20 +899,6 @@ def test_eager_step_after_compiled_steps_matches_ddp(pool, mode):
         assert rep["facts"]["placements"] == [
             "(Replicate(),)" if mode == "replicate" else "(Shard(dim=0),)"]
         assert rep["facts"]["count"] == 2
-
-
-@runs("eval_train_dropout")
-def test_eval_train_switch_recompiles_and_matches(pool, mode):
-    for rep in _case(pool, "eval_train_dropout", mode):
-        # eval, eval, train (new), train, eval (cached), train (cached)
-        assert rep["facts"]["counts"] == [1, 1, 2, 2, 2, 2], rep["facts"]["counts"]
-
-
-@runs("momentum_changed")
-def test_momentum_change_recompiles_and_matches(pool, mode):
-    for rep in _case(pool, "momentum_changed", mode):
-        # momentum state created, steady state, momentum 0.5 (new), again (cached)
-        assert rep["facts"]["counts"] == [1, 2, 3, 3], rep["facts"]["counts"]
 
 
 @runs("empty_batch")
@@ -1011,13 +945,8 @@ def test_failed_compile_changes_nothing(pool2, mode, case, error, count):
 def first_run_failure_job(mode: str) -> dict:
     """A float64 batch into a float32 model compiles (fake tensors do not check matmul dtypes)
     and fails when the graph runs: is the live state still untouched and nothing cached?"""
-    from spmd_compiler import DataParallel, spmd_compile
-
-    torch.manual_seed(0)
-    model = SimpleMLP()
-    opt = _adam(model)
+    model, opt, compiled = fresh_adam_mlp(mode)
     before = snapshot(model, [opt])
-    compiled = spmd_compile(DataParallel(mode))(train_step)
     try:
         compiled(model, opt, xy(0, dtype=torch.float64))
         raised = None

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multirank import ParityChecker
+from tests.multirank import ParityChecker, run_without_problems
 
 pytestmark = pytest.mark.multirank
 
@@ -138,9 +138,7 @@ def mlp_tp_job(is_seq_parallel: bool = False):
 
 @pytest.mark.parametrize("is_seq_parallel", [False, True])
 def test_mlp_tp_alone(pool2, is_seq_parallel):
-    reps = pool2.run(mlp_tp_job, is_seq_parallel, timeout=300)
-    for rank, rep in enumerate(reps):
-        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    reps = run_without_problems(pool2, mlp_tp_job, is_seq_parallel, timeout=300)
     counts = reps[0]["counts"]
     # the eager step's collectives (seed 004: the MLP's forward is one all_reduce; sequence
     # parallel's all_gather + reduce_scatter)
@@ -178,9 +176,8 @@ def transformer_job(use_seq_parallel: bool):
 
 @pytest.mark.parametrize("use_seq_parallel", [False, True])
 def test_transformer_tp_alone(pool2, use_seq_parallel):
-    reps = pool2.run(transformer_job, use_seq_parallel, timeout=600)
-    for rank, rep in enumerate(reps):
-        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    reps = run_without_problems(pool2, transformer_job, use_seq_parallel, timeout=600)
+    for rep in reps:
         assert rep["tied"], "output.weight is no longer tok_embeddings.weight"
     counts = reps[0]["counts"]
     assert sum(counts["compiled"].values()) <= sum(counts["eager"].values()), counts
@@ -221,9 +218,8 @@ def weight_tying_job():
 
 
 def test_weight_tying(pool2):
-    reps = pool2.run(weight_tying_job, timeout=300)
-    for rank, rep in enumerate(reps):
-        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    reps = run_without_problems(pool2, weight_tying_job, timeout=300)
+    for rep in reps:
         assert rep["tied"], "the tie did not survive the compiled steps"
 
 
@@ -263,9 +259,7 @@ def loss_parallel_job():
 
 
 def test_loss_parallel(pool2):
-    reps = pool2.run(loss_parallel_job, timeout=300)
-    for rank, rep in enumerate(reps):
-        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    reps = run_without_problems(pool2, loss_parallel_job, timeout=300)
     counts = reps[0]["counts"]
     assert sum(counts["compiled"].values()) <= sum(counts["eager"].values()), counts
 
@@ -331,9 +325,7 @@ def dp_tp_job(style: str):
 
 @pytest.mark.parametrize("style", ["fully_shard", "replicate"])
 def test_dp_x_tp(pool4, style):
-    reps = pool4.run(dp_tp_job, style, timeout=600)
-    for rank, rep in enumerate(reps):
-        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    reps = run_without_problems(pool4, dp_tp_job, style, timeout=600)
     p = reps[0]["placements"]
     assert p["net2.weight"][1] == ("dp", "tp"), p
     want = "(Shard(dim=0), Shard(dim=1))" if style == "fully_shard" else "(Replicate(), Shard(dim=1))"
@@ -396,9 +388,7 @@ def convnext_job():
 
 def test_convnext_width_sharded(pool2):
     """Matches one device; eager DTensor does not on torch 2.13 (no halo exchange)."""
-    reps = pool2.run(convnext_job, timeout=600)
-    for rank, rep in enumerate(reps):
-        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    run_without_problems(pool2, convnext_job, timeout=600)
 
 
 # --------------------------------------------------------------------------------------------------

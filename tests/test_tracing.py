@@ -17,7 +17,7 @@ import torch.nn as nn
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.meta import Region, Role
 from spmd_compiler.tracing import trace_step
-from tests.models import BatchNormMLP, SimpleMLP, TiedMLP, mse_step, train_step
+from tests.models import BatchNormMLP, SimpleMLP, TiedMLP, TransposedMLP, mse_step, train_step
 
 aten = torch.ops.aten
 REGION_ORDER = [Region.FORWARD, Region.BACKWARD, Region.OPTIMIZER]
@@ -203,16 +203,8 @@ def test_batch_dim_symbolic_weights_static(b):
 
 
 def test_batch_dim_1_is_the_symbolic_dim():
-    class T(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = SimpleMLP()
-
-        def forward(self, x):
-            return self.mlp(x.t().contiguous()).t()
-
     torch.manual_seed(0)
-    model = T()
+    model = TransposedMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch(16)
     tr = trace_step(train_step, (model, opt, (x.t(), y.t())), input_batch_dim=1)

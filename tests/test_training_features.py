@@ -297,10 +297,15 @@ def accumulation_job(style: str, mixed: bool = False, per_micro_batch: bool = Fa
                 notes=entry_summary(compiled.last_compiled).notes)
 
 
-@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
-@pytest.mark.parametrize("style,mixed", [("replicate", False), ("fully_shard", False),
-                                         ("fully_shard", True)],
-                         ids=["replicate", "fully_shard", "fully_shard-bf16"])
+# replicate, fully_shard, fully_shard with bfloat16 parameters; at world sizes 2 and 3
+STYLES = pytest.mark.parametrize("style,mixed", [("replicate", False), ("fully_shard", False),
+                                                 ("fully_shard", True)],
+                                 ids=["replicate", "fully_shard", "fully_shard-bf16"])
+WORLD_SIZES = pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
+
+
+@WORLD_SIZES
+@STYLES
 def test_micro_batch_accumulation_syncs_once(pool, style, mixed, record_property):
     for rank, rep in enumerate(pool.run(accumulation_job, style, mixed, timeout=600)):
         if style == "fully_shard":
@@ -375,10 +380,8 @@ def no_sync_job(style: str, mixed: bool = False) -> dict:
     return dict(max_err=chk.max_err, problems=chk.problems, compiles=compiled.compile_count)
 
 
-@pytest.mark.parametrize("pool", [2, 3], indirect=True, ids=["ws2", "ws3"])
-@pytest.mark.parametrize("style,mixed", [("replicate", False), ("fully_shard", False),
-                                         ("fully_shard", True)],
-                         ids=["replicate", "fully_shard", "fully_shard-bf16"])
+@WORLD_SIZES
+@STYLES
 def test_no_sync_accumulates_across_calls(pool, style, mixed, record_property):
     for rank, rep in enumerate(pool.run(no_sync_job, style, mixed, timeout=600)):
         record_property(f"rank{rank}_max_err", rep["max_err"])

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.steps import lm_step, step_with
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB = 61
@@ -36,58 +38,37 @@ def _tokens(gen, *shape) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-def lm_step(model, optim, batch):
-    """Next-token cross-entropy over every position; ``batch = (tokens, targets)``."""
-    optim.zero_grad()
-    tokens, targets = batch
-    logits = model(tokens)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    loss.backward()
-    optim.step()
-    return loss
-
-
-def classify_step(model, optim, batch):
+def classify(model, batch):
     """Cross-entropy picked per sample with ``logits[torch.arange(b), labels]``."""
-    optim.zero_grad()
     x, labels = batch
     logp = model(x).log_softmax(-1)
-    loss = -logp[torch.arange(labels.shape[0]), labels].mean()
-    loss.backward()
-    optim.step()
-    return loss
+    return -logp[torch.arange(labels.shape[0]), labels].mean()
 
 
-def time_major_step(model, optim, batch):
+def time_major(model, batch):
     """A sequence model fed ``(T, B, ...)`` tokens (batch dim 1) with ``(B, T)`` targets."""
-    optim.zero_grad()
     tokens, targets = batch
     logits = model(tokens)  # (T, B, V)
-    loss = F.cross_entropy(logits.transpose(0, 1).reshape(-1, VOCAB), targets.reshape(-1))
-    loss.backward()
-    optim.step()
-    return loss
+    return F.cross_entropy(logits.transpose(0, 1).reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def masked_token_step(model, optim, batch):
+def masked_token(model, batch):
     """Loss on the tokens whose target is not -100 only (a boolean mask: data-dependent size)."""
-    optim.zero_grad()
     tokens, targets = batch
     logits = model(tokens)
     keep = targets != -100
-    loss = F.cross_entropy(logits[keep], targets[keep])
-    loss.backward()
-    optim.step()
-    return loss
+    return F.cross_entropy(logits[keep], targets[keep])
 
 
-def hf_step(model, optim, batch):
+def hf(model, batch):
     """A Hugging Face model computing its own loss from ``labels`` in the batch dict."""
-    optim.zero_grad()
-    loss = model(**batch).loss
-    loss.backward()
-    optim.step()
-    return loss
+    return model(**batch).loss
+
+
+classify_step = step_with(classify)
+time_major_step = step_with(time_major)
+masked_token_step = step_with(masked_token)
+hf_step = step_with(hf)
 
 
 # --------------------------------------------------------------------------------------------------
