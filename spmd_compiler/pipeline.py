@@ -263,7 +263,7 @@ STAGES: list[Stage] = [
           applies=lambda o: o.gm_transformation is not None),
     Stage("lowered", _lower, "the runnable: the FX graph's Python (in-place buckets, gloo "
           "collectives, a planned workspace; passes/inplace.py, gloo_collectives.py, "
-          "memory_plan.py, rank_check.py) or Inductor (backend)"),
+          "memory_plan.py, identity_views.py, rank_check.py) or Inductor (backend)"),
 ]
 
 

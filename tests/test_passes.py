@@ -13,6 +13,7 @@ from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.collectives import COLLECTIVE_OPS, c10d
 from spmd_compiler.passes.expand import expand_fully_shard
 from spmd_compiler.passes.fully_shard import shard_rows
+from spmd_compiler.passes.identity_views import skip_identity_views
 from spmd_compiler.passes.inplace import gather_into_preallocated, reduce_in_place
 from spmd_compiler.passes.overlap import sink_waits
 from spmd_compiler.passes.rank_check import place_rank_check
@@ -402,3 +403,29 @@ def test_gather_into_preallocated_uses_the_out_form_on_an_empty_of_the_gathered_
         assert n.args[1:] == (WORLD, "g")
         assert [u.target for u in n.users] == [c10d.wait_tensor.default]
     gm.graph.lint()
+
+
+def test_identity_views_dropped():
+    """detach, t(t(w)) and a view to its own shape are gone from the lowered graph (the parity
+    tests run graphs lowered so), and a view that is an output stays."""
+    tr = _traced(momentum=0.9)
+    gm = reduce_in_place(bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=1)))
+    aten = torch.ops.aten
+    before = len(gm.graph.nodes)
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    slim = skip_identity_views(torch.fx.GraphModule(gm, graph))
+    assert not _calls(slim, aten.detach.default)
+    assert len(slim.graph.nodes) < before
+    for node in _calls(slim, aten.t.default):
+        assert node.args[0].target is not aten.t.default
+    for node in _calls(slim, aten.view.default) + _calls(slim, aten.reshape.default):
+        assert list(node.args[1]) != list(node.args[0].meta["val"].shape)
+    # an output that is a detach keeps it
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(3)
+    d = g.call_function(aten.detach.default, (x,))
+    g.output((d,))
+    kept = skip_identity_views(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert _calls(kept, aten.detach.default)
