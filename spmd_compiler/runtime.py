@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
+import math
 import ctypes.util
 import sys
 import weakref
@@ -24,8 +26,9 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 
 from . import tensor_parallel as tp
-from .torch_internals import _broadcast_coalesced, dtensor_spec, local_tensor, pytree
+from .torch_internals import _broadcast_coalesced, direct_op_calls, dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
+from .module_walk import tensors
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
 from .tracing import StepArgs, TracedStep
@@ -89,7 +92,7 @@ def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
     """The device the module's state lives on. For a model built on the meta device: the
     device of the first tensor in ``inputs`` (the step's batch), where its state will be
     materialized, else the CPU."""
-    for t in (*module.parameters(), *module.buffers()):
+    for t in itertools.chain(tensors(module, "_parameters"), tensors(module, "_buffers")):
         if not t.is_meta:
             return t.device
     for t in inputs:
@@ -620,9 +623,11 @@ class CompiledGraph:
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
     summary: Any = None  # visualize.Summary of a program loaded from the disk cache
     values: Any = None  # guards.ValueGuards: the Python values the step read, bound to live objects
+    carrier: tuple | None = None  # (elements, dtype) of each all_reduce up to its rank check
 
     def __post_init__(self):
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
+        self._run = direct_op_calls(self.run)  # the same graph, its ops called directly
 
     @property
     def signature(self) -> StepSignature:
@@ -678,7 +683,7 @@ class CompiledGraph:
         with communication_failures("the compiled step",
                                     "Parameters and optimizer state on this rank may be partly "
                                     "updated by this step."):
-            outs = sig.split_outputs(self.run(*flat))
+            outs = sig.split_outputs(self._run(*flat))
         if sig.new_states:
             opt_of = {id(p): opt for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
             for (fqn, k), t in zip(sig.new_states, outs.new_states):
@@ -711,8 +716,7 @@ class CompiledGraph:
                 state_of[id(p)] = st
         flat += [x for n, k in sig.states
                  for x in inner_tensors(local_buffer(state_of[id(params[n])][k]))]
-        flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
-                 for v, as_tensor in zip(hparams, sig.hparams)]
+        flat += [hparam_tensor(v) if as_tensor else v for v, as_tensor in zip(hparams, sig.hparams)]
         flat += tp.graph_inputs(sa)
         if sig.grads_in:
             flat += [accumulated[n] if n in accumulated else torch.zeros(
@@ -726,6 +730,21 @@ class CompiledGraph:
             if eager is not None and eager.grads_written:  # an eager backward's, now stale
                 eager.clear_grads()
         return flat
+
+
+_HPARAM_TENSORS: dict[tuple[float, float], torch.Tensor] = {}
+
+
+def hparam_tensor(v: float) -> torch.Tensor:
+    """``v`` as the float64 0-d tensor a fused optimizer kernel reads (graphs only read it):
+    made once per value, not on every call."""
+    key = (v, math.copysign(1.0, v))
+    t = _HPARAM_TENSORS.get(key)
+    if t is None:
+        if len(_HPARAM_TENSORS) >= 64:
+            _HPARAM_TENSORS.clear()
+        t = _HPARAM_TENSORS[key] = torch.tensor(v, dtype=torch.float64)
+    return t
 
 
 class Workspaces:

@@ -16,7 +16,10 @@ Two kinds of patch:
   - ``free_symbols_memo``: the free symbols of a size are memoized in the fake tensor cache key;
   - ``no_tensor_meta``: make_fx's best-effort ``node.meta["tensor_meta"]`` is not written;
   - ``size_oblivious_reshape``: ``aten.reshape`` of symbolically sized tensors is recorded
-    without guards on a size being 1.
+    without guards on a size being 1;
+  - ``direct_op_calls``: the eager program's generated code calls each op overload's C++
+    callable (``OpOverload._op``) instead of the overload's Python ``__call__``, which only
+    forwards to it (``direct_op_calls``, used by runtime.CompiledGraph).
 
 - **Required** (the step cannot be recorded without them; their signatures are in the test):
   ``tag_regions`` (``torch.autograd.backward`` wrapped while recording), ``refuse_reentrant_
@@ -34,6 +37,7 @@ import linecache
 import logging
 import os
 import sys
+import types
 from typing import Callable
 
 import torch
@@ -85,7 +89,7 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     "local_tensor", "marked_dynamic_dims",
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
-    "refuse_reentrant_checkpoint", "size_oblivious_reshape", "tag_regions",
+    "refuse_reentrant_checkpoint", "size_oblivious_reshape", "tag_regions", "direct_op_calls",
 ]
 
 log = logging.getLogger("spmd_compiler")
@@ -168,11 +172,18 @@ def _probe_size_oblivious_reshape() -> bool:
             and hasattr(op, "_op_dk") and "size_oblivious" in _params(_compute_stride))
 
 
+def _probe_direct_op_calls() -> bool:
+    op = torch.ops.aten.detach.default
+    source = inspect.getsource(torch._ops.OpOverload.__call__)
+    return callable(getattr(op, "_op", None)) and "return self._op(*args, **kwargs)" in source
+
+
 OPTIONAL: dict[str, Callable[[], bool]] = {
     "symnode_memo": _probe_symnode_memo,
     "free_symbols_memo": _probe_free_symbols_memo,
     "no_tensor_meta": _probe_no_tensor_meta,
     "size_oblivious_reshape": _probe_size_oblivious_reshape,
+    "direct_op_calls": _probe_direct_op_calls,
 }
 
 
@@ -658,3 +669,47 @@ def dtensor_op_handlers(handlers: dict):
 
 def _dispatch_to(fn, own, op, args, kwargs):
     return fn(op, args, kwargs, own)
+
+
+# ---------------------------------------------------------------------------------------------
+# direct_op_calls
+
+
+class _DirectOps:
+    """``torch`` as the generated code of an FX graph reads it, with ``torch.ops.<ns>.<op>.
+    <overload>`` resolved once to the overload's C++ callable (``OpOverload.__call__`` only
+    forwards to it). Every other attribute is torch's own; each is looked up once, then read
+    from this object's ``__dict__``."""
+
+    def __init__(self, target):
+        object.__setattr__(self, "_target", target)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._target, name)
+        if isinstance(value, torch._ops.OpOverload):
+            value = value._op
+        elif isinstance(value, (torch._ops._Ops, torch._ops._OpNamespace,
+                                torch._ops.OpOverloadPacket)):
+            value = _DirectOps(value)
+        object.__setattr__(self, name, value)
+        return value
+
+
+def direct_op_calls(run: Callable) -> Callable:
+    """``run`` (a GraphModule, or ``functools.partial(forward, owner)`` of a program loaded from
+    the disk cache) as a function of the same flat inputs whose ops are called directly
+    (``_DirectOps``), skipping the module call machinery; ``run`` itself when the patch is off
+    or ``run`` is something else."""
+    if isinstance(run, torch.fx.GraphModule):
+        _LazyGraphModule.force_recompile(run)
+        fn, owner = type(run).forward, run
+    elif isinstance(run, functools.partial) and len(run.args) == 1 and not run.keywords:
+        fn, owner = run.func, run.args[0]
+    else:
+        return run
+    if not (isinstance(fn, types.FunctionType) and fn.__globals__.get("torch") is torch
+            and enabled("direct_op_calls")):
+        return run
+    namespace = dict(fn.__globals__, torch=_DirectOps(torch))
+    fast = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    return functools.partial(fast, owner)

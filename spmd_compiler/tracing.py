@@ -68,6 +68,7 @@ from .accumulation import ACCUMULATE, accumulating
 from .signature import StepSignature, split_inputs
 from . import tensor_parallel as tp
 from .halo_conv import halo_convolution
+from .call_args import flatten_step_args
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -157,7 +158,7 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
     ``dynamic_dims`` (an int, or a pytree of ints/None over the batch arguments) names a
     non-batch dim per input to trace as a symbolic size; so does ``torch._dynamo.mark_dynamic``
     on an input tensor."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = flatten_step_args(args, kwargs)
     modules = [i for i, x in enumerate(leaves) if isinstance(x, torch.nn.Module)]
     optimizers = [i for i, x in enumerate(leaves) if isinstance(x, torch.optim.Optimizer)]
     if len(modules) != 1:
