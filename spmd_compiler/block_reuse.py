@@ -55,6 +55,7 @@ from .torch_internals import (
 _PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 _switched_off = False
+_TENSOR = object()  # a tensor's place among a block's output leaves
 _aten = torch.ops.aten
 _SIZE_OF = (_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
             _aten.sym_storage_offset.default)
@@ -114,7 +115,7 @@ class _Template:
     shared: set  # forward nodes that only compute sizes from outside symbols: not copied
     out_nodes: list  # per tensor output
     out_spec: object = None
-    out_leaves: list = field(default_factory=list)  # non-tensor output leaves (None for tensors)
+    out_leaves: list = field(default_factory=list)  # non-tensor output leaves (_TENSOR for tensors)
     differentiable: list = field(default_factory=list)  # per tensor output
     reads: dict = field(default_factory=dict)  # (submodule path, attribute) -> value read
     grad_keys: list = field(default_factory=list)  # per differentiable output
@@ -278,7 +279,7 @@ class _Call:
         outs = [o for o in out_leaves if isinstance(o, torch.Tensor)]
         t = _Template(self.path, [proxy_node(x, tracer) for x in flat], fwd_nodes, set(),
                       [proxy_node(o, tracer) for o in outs], out_spec,
-                      [None if isinstance(o, torch.Tensor) else o for o in out_leaves],
+                      [_TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves],
                       [o.requires_grad for o in outs], reads)
         t.reusable = self._checked_forward(t, outs, out_leaves)
         if t.reusable:
@@ -292,7 +293,7 @@ class _Call:
 
     def _checked_forward(self, t: _Template, outs, out_leaves) -> bool:
         inside = set(t.fwd_nodes) | set(t.input_nodes)
-        if not all(isinstance(o, _PRIMITIVES) for o in out_leaves if not isinstance(o, torch.Tensor)):
+        if not all(type(o) in _PRIMITIVES for o in out_leaves if not isinstance(o, torch.Tensor)):
             return False
         if not all(n in set(t.fwd_nodes) for n in t.out_nodes) or len(set(t.out_nodes)) != len(outs):
             return False
@@ -385,7 +386,7 @@ class _Call:
     def unflatten(self, outs):
         t = self.template
         outs = iter(outs)
-        leaves = [next(outs) if v is None else v for v in t.out_leaves]
+        leaves = [next(outs) if v is _TENSOR else v for v in t.out_leaves]
         return pytree.tree_unflatten(leaves, t.out_spec)
 
     # backward -----------------------------------------------------------------------------
