@@ -15,7 +15,10 @@ Two kinds of patch:
   - ``free_symbols_memo``: the free symbols of a size are memoized in the fake tensor cache key;
   - ``no_tensor_meta``: make_fx's best-effort ``node.meta["tensor_meta"]`` is not written;
   - ``size_oblivious_reshape``: ``aten.reshape`` of symbolically sized tensors is recorded
-    without guards on a size being 1.
+    without guards on a size being 1;
+  - ``block_reuse``: repeated blocks are recorded once and copied (spmd_compiler/block_reuse.py,
+    which uses make_fx's proxy slots and lazy size nodes through the functions here); also off
+    with ``SPMD_NO_BLOCK_REUSE``.
 
 - **Required** (the step cannot be recorded without them; their signatures are in the test):
   ``tag_regions`` (``torch.autograd.backward`` wrapped while recording), ``refuse_reentrant_
