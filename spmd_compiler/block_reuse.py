@@ -56,6 +56,7 @@ _PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device, tor
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 _switched_off = False
 _TENSOR = object()  # a tensor's place among a block's output leaves
+_WRITTEN = object()  # an attribute the block set while recorded
 _aten = torch.ops.aten
 _SIZE_OF = (_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
             _aten.sym_storage_offset.default)
@@ -210,31 +211,38 @@ def _same(a, b) -> bool:
 @contextlib.contextmanager
 def _reads_recorded(m: torch.nn.Module, reads: dict):
     """Record into ``reads`` the first value of every instance attribute the modules of ``m``
-    read (not parameters, buffers, submodules or hooks)."""
+    read (not parameters, buffers, submodules or hooks); an attribute they set is recorded as
+    ``_WRITTEN`` (such a block is not copied: a copy would not set it)."""
     owners = {id(s): path for path, s in m.named_modules(remove_duplicate=False)}
     patched = []
     for cls in {type(s) for s in m.modules()}:
-        own = cls.__dict__.get("__getattribute__")
-        original = cls.__getattribute__
+        own = {k: cls.__dict__.get(k) for k in ("__getattribute__", "__setattr__")}
+        get, put = cls.__getattribute__, cls.__setattr__
 
-        def recording(self, name, _original=original):
-            value = _original(self, name)
+        def recording(self, name, _get=get):
+            value = _get(self, name)
             path = owners.get(id(self))
             if path is not None and (path, name) not in reads and name not in _MODULE_INTERNALS \
                     and name in object.__getattribute__(self, "__dict__"):
                 reads[(path, name)] = value
             return value
 
-        cls.__getattribute__ = recording
+        def setting(self, name, value, _put=put):
+            if id(self) in owners:
+                reads[(owners[id(self)], name)] = _WRITTEN
+            _put(self, name, value)
+
+        cls.__getattribute__, cls.__setattr__ = recording, setting
         patched.append((cls, own))
     try:
         yield
     finally:
         for cls, own in patched:
-            if own is None:
-                del cls.__getattribute__
-            else:
-                cls.__getattribute__ = own
+            for k, v in own.items():
+                if v is None:
+                    delattr(cls, k)
+                else:
+                    setattr(cls, k, v)
 
 
 class _Call:
@@ -281,7 +289,7 @@ class _Call:
                       [proxy_node(o, tracer) for o in outs], out_spec,
                       [_TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves],
                       [o.requires_grad for o in outs], reads)
-        t.reusable = self._checked_forward(t, outs, out_leaves)
+        t.reusable = self._checked_forward(t, outs, out_leaves) and _WRITTEN not in reads.values()
         if t.reusable:
             self._record_backward(t, leaves, outs)
         if self.key not in self.reuse.templates:

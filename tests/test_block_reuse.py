@@ -15,6 +15,7 @@ from torch import nn
 
 import spmd_compiler.block_reuse as block_reuse
 from spmd_compiler.passes import meta
+from spmd_compiler.side_effects import SideEffectError
 from spmd_compiler.tracing import trace_step
 from tests.zoo import CASES as ZOO
 
@@ -162,6 +163,28 @@ def test_block_with_a_hook_is_recorded(monkeypatch):
 
     copies = _assert_same(build, _mse_step, torch.randn(4, 8), monkeypatch)
     assert copies == ["layers.3"]
+
+
+class _Counting(_Scaled):
+    """A block that changes its own Python state when called: a copy would not."""
+
+    def forward(self, x):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(x)
+
+
+class _CountingStack(_Stack):
+    def __init__(self):
+        super().__init__([0.5] * 4)
+        self.layers = nn.ModuleList(_Counting(0.5) for _ in range(4))
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_block_that_sets_an_attribute_is_refused_as_before(reuse, monkeypatch):
+    # a block setting its attributes is never copied (block_reuse._WRITTEN); the step is
+    # refused for changing Python state while recorded, naming the first block, either way
+    with pytest.raises(SideEffectError, match="attribute 'calls' of module 'layers.0'"):
+        _trace(_CountingStack, _mse_step, torch.randn(4, 8), reuse, monkeypatch)
 
 
 def test_off_switch(monkeypatch):
