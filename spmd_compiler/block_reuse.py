@@ -113,7 +113,7 @@ class _Template:
     path: str  # module path of the block it was recorded on
     input_nodes: list  # per flat input
     fwd_nodes: list
-    shared: set  # forward nodes that only compute sizes from outside symbols: not copied
+    shared: set  # nodes reading a size of a tensor from before the block: not copied
     out_nodes: list  # per tensor output
     out_spec: object = None
     out_leaves: list = field(default_factory=list)  # non-tensor output leaves (_TENSOR for tensors)
@@ -124,6 +124,7 @@ class _Template:
     bwd_nodes: list = field(default_factory=list)
     results: list = field(default_factory=list)  # per flat input: node of its gradient or None
     reusable: bool = True
+    dead: set = field(default_factory=set)  # size arithmetic no copy uses: not copied
 
 
 class BlockReuse:
@@ -344,13 +345,14 @@ class _Call:
             elif n.op != "call_function" or _writes_input(n, t.input_nodes) or not all(
                     a in inside or _outside_ok(a) for a in n.all_input_nodes):
                 t.reusable = False
+        t.dead = _dead_sizes(t)
 
     def _copy_forward(self, flat):
         t, graph = self.template, self.tracer.graph
         env = self.env = dict(zip(t.input_nodes, (proxy_node(x, self.tracer) for x in flat)))
         stacks: dict = {}
         for n in t.fwd_nodes:
-            if n in t.shared:
+            if n in t.shared or n in t.dead:
                 continue
             env[n] = self._copy(graph, n, env, stacks)
         return self._outputs(t)
@@ -419,6 +421,8 @@ class _Call:
         env.update(zip(t.grad_nodes, (proxy_node(g, tracer) for g in used)))
         where = tracer._stack_trace(sys._getframe(1))
         for n in t.bwd_nodes:
+            if n in t.dead:
+                continue
             if n in t.shared:  # the size's node in the step's graph (made when first used)
                 env[n] = sym_node(n.meta["val"], tracer)
                 continue
@@ -438,6 +442,21 @@ class _Call:
 
 def _is_sym(n) -> bool:
     return isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _dead_sizes(t: _Template) -> set:
+    """The template's size computations that nothing in a copy would use: make_fx's dead code
+    elimination removes them from the step's graph (its rule: pure symbolic arithmetic and size
+    reads without users), so a copy leaves them out rather than make and lose them."""
+    nodes = t.fwd_nodes + t.bwd_nodes
+    own, keep = set(nodes), set(t.out_nodes) | {n for n in t.results if n is not None}
+    dead: set = set()
+    for n in reversed(nodes):
+        removable = _is_sym(n) and not n.is_impure() and (
+            n.target in _SIZE_OF or all(_is_sym(a) for a in n.all_input_nodes))
+        if removable and n not in keep and all(u in dead for u in n.users if u in own):
+            dead.add(n)
+    return dead
 
 
 def _outside_ok(a) -> bool:
