@@ -346,6 +346,10 @@ class _Call:
                     a in inside or _outside_ok(a) for a in n.all_input_nodes):
                 t.reusable = False
         t.dead = _dead_sizes(t)
+        for n in scratch.nodes:  # the step's nodes do not list scratch nodes among their users
+            for a in n.all_input_nodes:
+                if a.graph is not scratch:
+                    a.users.pop(n, None)
 
     def _copy_forward(self, flat):
         t, graph = self.template, self.tracer.graph

@@ -85,6 +85,8 @@ def _assert_same(build, step, batch, monkeypatch, input_batch_dim=0):
     assert [str(g.expr) for g in reused.shape_env.guards] == [
         str(g.expr) for g in plain.shape_env.guards]
     assert reused.signature == plain.signature
+    nodes = set(reused.gm.graph.nodes)
+    assert all(u in nodes for n in nodes for u in n.users)  # no user outside the graph
     return copies
 
 
