@@ -44,15 +44,15 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import (
     Partial,
     Placement,
     Replicate,
     Shard,
-    _StridedShard,
 )
 from torch.fx.operator_schemas import normalize_function
+
+from spmd_compiler.torch_internals import OpOverload, _NormPartial, _StridedShard, detect_fake_mode
 
 from .meta import INPUT_BATCH_DIM, LOCAL_SHARD, MODEL_PARALLEL, PLACEMENT, ROLE, Role
 
@@ -107,7 +107,7 @@ def _is_tensor(v) -> bool:
 
 
 def _op_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return target.overloadpacket.__name__
     return getattr(target, "__name__", str(target))
 
@@ -189,7 +189,7 @@ class _Analysis:
         if not bound:
             return
         if self.shape_env is None:
-            mode = torch._guards.detect_fake_mode(node.meta.get("val"))
+            mode = detect_fake_mode(node.meta.get("val"))
             self.shape_env = getattr(mode, "shape_env", None)
         syms = set().union(*(self._canonical(s).free_symbols for s in bound))
         if any(self.is_batch_shard(v, p) for v, p in ins):

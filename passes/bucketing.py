@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from . import meta
-from .collectives import aten, c10d, insert_call, insert_collective, tensor_bytes
+from .collectives import aten, c10d
+from .subgraph import insert_traced, tensor_bytes
 
 MB = 2**20
 
@@ -158,95 +158,97 @@ def bucket_collectives(
     return gm
 
 
-def _flatten_cat(graph, bucket, shape_of, dim, like):
-    pieces = [insert_call(graph, aten.reshape.default, (m.source, shape_of(m)),
-                          val=m.source.meta["val"].reshape(shape_of(m)), region=like.meta.get(meta.REGION))
-              for m in bucket]
-    vals = [p.meta["val"] for p in pieces]
-    return insert_call(graph, aten.cat.default, (pieces, dim), val=torch.cat(vals, dim),
-                       region=like.meta.get(meta.REGION))
+def _flat(sources: list, shapes: list, dim: int):
+    """The sources reshaped to ``shapes`` and concatenated along ``dim``."""
+    return aten.cat.default([aten.reshape.default(x, shape) for x, shape in zip(sources, shapes)], dim)
 
 
-def _bucket_meta(node: fx.Node, index: int, bucket) -> None:
-    node.meta[meta.BUCKET] = index
-    info = node.meta.get(meta.COLLECTIVE)
-    if info is not None:
-        info["params"] = [p for m in bucket for p in node_params(m.issue)]
+def _pieces(flat, dim: int, sizes: list[int], shapes: list, reshape) -> list:
+    """``flat`` cut along ``dim`` into ``sizes``, each shaped to its ``shapes`` entry."""
+    out, offset = [], 0
+    for n, shape in zip(sizes, shapes):
+        out.append(reshape(aten.slice.Tensor(flat, dim, offset, offset + n), shape))
+        offset += n
+    return out
+
+
+def _all_reduce_bucket(sources, world, group, sizes, shapes):
+    flat = _flat(sources, [[-1]] * len(sources), 0)
+    if world != 1:
+        flat = aten.div.Tensor(flat, world)
+    done = c10d.wait_tensor.default(c10d.all_reduce.default(flat, "sum", group))
+    return _pieces(done, 0, sizes, shapes, aten.view.default)
+
+
+def _reduce_scatter_bucket(sources, divisor, world, group, sizes, shapes):
+    flat = aten.view.default(_flat(sources, [[world, -1]] * len(sources), 1), [-1])
+    if divisor != 1:
+        flat = aten.div.Tensor(flat, divisor)
+    done = c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(flat, "sum", world, group))
+    return done, _pieces(done, 0, sizes, shapes, aten.view.default)
+
+
+def _all_gather_bucket(sources, world, group, sizes, shapes):
+    flat = _flat(sources, [[-1]] * len(sources), 0)
+    done = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(flat, world, group))
+    rows = aten.view.default(done, [world, sum(sizes)])
+    return _pieces(rows, 1, sizes, shapes, aten.reshape.default)
+
+
+def _insert_bucket(graph, build, bucket: list[_Member], args: tuple, index: int, before: fx.Node,
+                   anchor: fx.Node, kind: str):
+    """Trace ``build(sources, *args)`` before ``before`` in ``anchor``'s region, its collective
+    marked as the bucket's (COLLECTIVE, BUCKET = index)."""
+    params = [p for m in bucket for p in node_params(m.issue)]
+    return insert_traced(graph, build, ([m.source for m in bucket], *args), before=before,
+                         region=anchor.meta.get(meta.REGION),
+                         collective=dict(kind=kind, params=params), **{meta.BUCKET: index})
 
 
 def node_params(node: fx.Node) -> list[str]:
     return list((node.meta.get(meta.COLLECTIVE) or {}).get("params", []))
 
 
-def _replace_member(graph, m: _Member, new: fx.Node) -> None:
-    m.wait.replace_all_uses_with(new)
-    graph.erase_node(m.wait)
-    graph.erase_node(m.issue)
-    if m.scale is not None and not m.scale.users:
-        graph.erase_node(m.scale)
+def _replace_members(graph, bucket: list[_Member], new: list[fx.Node], keys=None) -> None:
+    """Each member's wait replaced by its piece, which keeps the wait's region and its meta
+    ``keys`` (None: all but its value, role and collective); the member's collective and
+    division erased."""
+    for m, piece in zip(bucket, new):
+        piece.meta[meta.REGION] = m.wait.meta.get(meta.REGION)
+        if keys is None:
+            _inherit_meta(piece, m.wait)
+        piece.meta.update({k: m.wait.meta[k] for k in keys or () if k in m.wait.meta})
+        m.wait.replace_all_uses_with(piece)
+        graph.erase_node(m.wait)
+        graph.erase_node(m.issue)
+        if m.scale is not None and not m.scale.users:
+            graph.erase_node(m.scale)
 
 
 def _merge_all_reduce(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
     last = bucket[-1].issue
-    group = last.args[2]
     world = bucket[0].scale.args[1] if bucket[0].scale is not None else 1
-    with graph.inserting_before(last.next):
-        flat = _flatten_cat(graph, bucket, lambda m: [-1], 0, last)
-        if world != 1:
-            flat = insert_call(graph, aten.div.Tensor, (flat, world), like=flat)
-        done = insert_collective(graph, c10d.all_reduce.default, (flat, "sum", group),
-                                 val=flat.meta["val"], region=last.meta.get(meta.REGION),
-                                 kind="all_reduce", params=[p for m in bucket for p in node_params(m.issue)])
-        _bucket_meta(done.args[0], index, bucket)
-        done.meta[meta.BUCKET] = index
-        offset = 0
-        replaced = []
-        for m in bucket:
-            n = _numel(m.source)
-            piece = insert_call(graph, aten.slice.Tensor, (done, 0, offset, offset + n),
-                                val=flat.meta["val"][offset:offset + n], region=done.meta.get(meta.REGION))
-            shaped = insert_call(graph, aten.view.default, (piece, list(m.wait.meta["val"].shape)),
-                                 like=m.wait)
-            for key in (meta.PLACEMENT,):
-                if key in m.wait.meta:
-                    shaped.meta[key] = m.wait.meta[key]
-            offset += n
-            replaced.append((m, shaped))
-    for m, new in replaced:  # after inserting: the members anchor the insertion point
-        _replace_member(graph, m, new)
+    pieces = _insert_bucket(graph, _all_reduce_bucket, bucket, (world, last.args[2], *_layout(bucket, 1)),
+                            index, last.next, last, "all_reduce")
+    _replace_members(graph, bucket, pieces, keys=(meta.PLACEMENT,))
+
+
+def _layout(bucket: list[_Member], world: int) -> tuple[list[int], list]:
+    """Each member's elements in the bucket's result (its source's, over ``world``) and its
+    wait's shape."""
+    return ([_numel(m.source) // world for m in bucket],
+            [list(m.wait.meta["val"].shape) for m in bucket])
 
 
 def _merge_reduce_scatter(graph: fx.Graph, bucket: list[_Member], index: int) -> None:
     last = bucket[-1].issue
     _, _, world, group = last.args
     divisor = bucket[0].scale.args[1] if bucket[0].scale is not None else 1
-    with graph.inserting_before(last.next):
-        flat = _flatten_cat(graph, bucket, lambda m: [world, -1], 1, last)
-        flat = insert_call(graph, aten.view.default, (flat, [-1]),
-                           val=flat.meta["val"].reshape(-1), region=flat.meta.get(meta.REGION))
-        if divisor != 1:
-            flat = insert_call(graph, aten.div.Tensor, (flat, divisor), like=flat)
-        total = _numel(flat) // world
-        local_val = flat.meta["val"][:total]
-        done = insert_collective(graph, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group),
-                                 val=local_val, region=last.meta.get(meta.REGION), kind="reduce_scatter",
-                                 params=[p for m in bucket for p in node_params(m.issue)])
-        _bucket_meta(done.args[0], index, bucket)
-        done.meta[meta.BUCKET] = index
-        offset = 0
-        replaced = []
-        for m in bucket:
-            n = _numel(m.source) // world
-            piece = insert_call(graph, aten.slice.Tensor, (done, 0, offset, offset + n),
-                                val=local_val[offset:offset + n], region=done.meta.get(meta.REGION))
-            shaped = insert_call(graph, aten.view.default, (piece, list(m.wait.meta["val"].shape)),
-                                 like=m.wait)
-            _inherit_meta(shaped, m.wait)
-            offset += n
-            replaced.append((m, shaped))
-    for m, new in replaced:  # after inserting: the members anchor the insertion point
-        _replace_member(graph, m, new)
-    _merge_chained_all_reduces(graph, done, [new for _, new in replaced], index)
+    done, pieces = _insert_bucket(graph, _reduce_scatter_bucket, bucket,
+                                  (divisor, world, group, *_layout(bucket, world)), index,
+                                  last.next, last, "reduce_scatter")
+    _replace_members(graph, bucket, pieces)
+    _merge_chained_all_reduces(graph, done, pieces, index)
 
 
 def _inherit_meta(node: fx.Node, wait: fx.Node) -> None:
@@ -274,13 +276,11 @@ def _merge_chained_all_reduces(graph: fx.Graph, flat: fx.Node, pieces: list[fx.N
     if not chained or any(c is None for c in chained) or \
             len({issue.args[1:] for issue, _ in chained}) != 1:
         return
-    first_issue = chained[0][0]
-    with graph.inserting_before(flat.next):
-        done = insert_collective(graph, c10d.all_reduce.default, (flat, *first_issue.args[1:]),
-                                 val=flat.meta["val"], region=flat.meta.get(meta.REGION),
-                                 kind="all_reduce",
-                                 params=[p for issue, _ in chained for p in node_params(issue)])
-        done.args[0].meta[meta.BUCKET] = done.meta[meta.BUCKET] = index
+    done = insert_traced(
+        graph, lambda x, *args: c10d.wait_tensor.default(c10d.all_reduce.default(x, *args)),
+        (flat, *chained[0][0].args[1:]), before=flat.next, region=flat.meta.get(meta.REGION),
+        collective=dict(kind="all_reduce", params=[p for issue, _ in chained for p in node_params(issue)]),
+        **{meta.BUCKET: index})
     for piece, (issue, wait) in zip(pieces, chained):
         piece.args[0].replace_input_with(flat, done)  # its slice reads the all-reduced bucket
         for key, value in wait.meta.items():
@@ -298,28 +298,6 @@ def _merge_all_gather(graph: fx.Graph, bucket: list[_Member], index: int) -> Non
         if m.source.op == "call_function" and all(
                 a.op == "placeholder" for a in m.source.all_input_nodes):
             first.prepend(m.source)
-    with graph.inserting_before(first):
-        flat = _flatten_cat(graph, bucket, lambda m: [-1], 0, first)
-        total = _numel(flat)
-        gathered_val = flat.meta["val"].new_empty((world * total,))
-        done = insert_collective(graph, c10d.all_gather_into_tensor.default, (flat, world, group),
-                                 val=gathered_val, region=first.meta.get(meta.REGION), kind="all_gather",
-                                 params=[p for m in bucket for p in node_params(m.issue)])
-        _bucket_meta(done.args[0], index, bucket)
-        done.meta[meta.BUCKET] = index
-        rows = insert_call(graph, aten.view.default, (done, [world, total]),
-                           val=gathered_val.view(world, total), region=done.meta.get(meta.REGION))
-        offset = 0
-        replaced = []
-        for m in bucket:
-            n = _numel(m.source)
-            piece = insert_call(graph, aten.slice.Tensor, (rows, 1, offset, offset + n),
-                                val=rows.meta["val"][:, offset:offset + n], region=done.meta.get(meta.REGION))
-            shape = list(m.wait.meta["val"].shape)
-            whole = insert_call(graph, aten.reshape.default, (piece, shape),
-                                val=torch.empty_like(piece.meta["val"]).reshape(shape), like=m.wait)
-            _inherit_meta(whole, m.wait)
-            offset += n
-            replaced.append((m, whole))
-    for m, new in replaced:  # after inserting: the members anchor the insertion point
-        _replace_member(graph, m, new)
+    pieces = _insert_bucket(graph, _all_gather_bucket, bucket, (world, group, *_layout(bucket, 1)),
+                            index, first, first, "all_gather")
+    _replace_members(graph, bucket, pieces)

@@ -1,11 +1,15 @@
-"""Helpers shared by the expansion passes: insert functional collectives with complete meta."""
+"""What the expansion passes share: the functional collectives' kinds and the small functions
+their traced replacement subgraphs are written with (passes/subgraph.py)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from . import meta
+from .subgraph import insert_traced
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -18,38 +22,19 @@ COLLECTIVE_OPS = {
 }
 
 
-def tensor_bytes(val) -> int | None:
-    """Bytes of a (fake) tensor, or None when its size is symbolic."""
-    try:
-        return int(val.numel()) * val.element_size()
-    except (TypeError, ValueError, RuntimeError):
-        return None
+def collective_meta(params) -> "Callable":
+    """``insert_traced``'s ``collective`` for collectives of ``params``' values: their kind by op."""
+    return lambda op: dict(kind=COLLECTIVE_OPS[op], params=list(params))
 
 
-def insert_call(graph: fx.Graph, target, args, *, like=None, val=None, region=None, **extra_meta):
-    """Insert ``target(*args)`` at the graph's current insert point with val/region meta."""
-    node = graph.call_function(target, tuple(args))
-    if val is None and like is not None:
-        val = like.meta.get("val")
-    if val is not None:
-        node.meta["val"] = val
-    if region is None and like is not None:
-        region = like.meta.get(meta.REGION)
-    if region is not None:
-        node.meta[meta.REGION] = region
-    node.meta.update(extra_meta)
-    return node
+def waited(op, *args):
+    """``op(*args)``'s result once it arrived: the functional collective and its wait."""
+    return c10d.wait_tensor.default(op(*args))
 
 
-def insert_cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, *, region=None) -> fx.Node:
-    """Insert ``node.to(dtype)`` (``aten._to_copy``) at the graph's current insert point."""
-    val = node.meta["val"]
-    cast = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
-    cast.meta["val"] = val.new_empty(val.shape, dtype=dtype)
-    region = node.meta.get(meta.REGION) if region is None else region
-    if region is not None:
-        cast.meta[meta.REGION] = region
-    return cast
+def to_dtype(x, dtype: torch.dtype):
+    """``x.to(dtype)`` as the tracer records it (``aten._to_copy``)."""
+    return aten._to_copy.default(x, dtype=dtype)
 
 
 def finish_reduction(graph: fx.Graph, reduced: fx.Node, users: list[fx.Node], *,
@@ -60,27 +45,16 @@ def finish_reduction(graph: fx.Graph, reduced: fx.Node, users: list[fx.Node], *,
     collective's wait by a slice of the bucket's), never past its original users."""
     if not divide_by and dtype is None:
         return reduced
+
+    def finish(x):
+        if divide_by:
+            x = aten.div.Tensor(x, divide_by)
+        return to_dtype(x, dtype) if dtype is not None else x
+
     pending = set(users)
     first = next((n for n in graph.nodes if n in pending), None)
-    with graph.inserting_before(first if first is not None else reduced.next):
-        if divide_by:
-            reduced = insert_call(graph, aten.div.Tensor, (reduced, divide_by), like=reduced)
-        if dtype is not None:
-            reduced = insert_cast(graph, reduced, dtype)
-    return reduced
-
-
-def insert_collective(graph: fx.Graph, target, args, *, val, region, kind, params):
-    """Insert a functional collective and its ``wait_tensor``; return the wait node."""
-    issue = insert_call(
-        graph, target, args, val=val, region=region,
-        **{meta.ROLE: meta.Role.COLLECTIVE,
-           meta.COLLECTIVE: dict(kind=kind, bytes=tensor_bytes(val), params=list(params))},
-    )
-    return insert_call(
-        graph, c10d.wait_tensor.default, (issue,), val=val, region=region,
-        **{meta.ROLE: meta.Role.COLLECTIVE},
-    )
+    return insert_traced(graph, finish, (reduced,), before=first if first is not None else reduced.next,
+                         region=reduced.meta.get(meta.REGION))
 
 
 def joined(tensor: torch.Tensor, *waited: torch.Tensor) -> torch.Tensor:

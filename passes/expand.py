@@ -26,10 +26,11 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from . import meta
-from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
+from .subgraph import insert_traced
+from .collectives import aten, c10d, collective_meta, finish_reduction, to_dtype, waited
 from .fully_shard import (
-    ShardingError, micro_batch_parts, padded_gradient, reduce_optimizer_partials,
-    reduce_scatter_parts, shard_parameters, shard_val,
+    ShardingError, micro_batch_parts, pad_rows, reduce_optimizer_partials,
+    reduce_scatter_parts, shard_parameters,
 )
 from .replicate import broadcast_buffers_from_rank0
 
@@ -139,33 +140,32 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
         fqn = grad.meta[meta.PARAM_FQN]
         users = list(grad.users)
         val = grad.meta["val"]
-        region = grad.meta.get(meta.REGION)
         cast = reduce_dtype is not None and reduce_dtype != val.dtype
-        with graph.inserting_before(grad.next):
-            x = insert_cast(graph, grad, reduce_dtype) if cast else grad
-            reduced_val = x.meta["val"]
-            if fqn in sharded:
-                world = next(d.size for d in layout if d.placement.is_shard())
-                x = padded_gradient(graph, x, world)
-            if not divide_after_sum:
-                x = insert_call(graph, aten.div.Tensor, (x, ranks), like=x, region=region)
-            for d in reversed(layout):
-                if fqn in sharded and d.placement.is_shard():
-                    x = insert_collective(
-                        graph, c10d.reduce_scatter_tensor.default, (x, "sum", d.size, d.group_name),
-                        val=shard_val(reduced_val, d.size), region=region, kind="reduce_scatter",
-                        params=[fqn])
-                    x.meta[meta.PLACEMENT] = Shard(0)
-                    x.meta[meta.LOGICAL_SHAPE] = tuple(val.shape)
-                else:
-                    summed = insert_collective(
-                        graph, c10d.all_reduce.default, (x, "sum", d.group_name),
-                        val=x.meta["val"], region=region, kind="all_reduce", params=[fqn])
-                    for key in (meta.PLACEMENT, meta.LOGICAL_SHAPE):  # a shard stays a shard
-                        if key in x.meta:
-                            summed.meta[key] = x.meta[key]
-                    x = summed
-        placed = {key: x.meta[key] for key in (meta.PLACEMENT, meta.LOGICAL_SHAPE) if key in x.meta}
+        world = next(d.size for d in layout if d.placement.is_shard()) if fqn in sharded else None
+        scatter = [fqn in sharded and d.placement.is_shard() for d in reversed(layout)]
+
+        def reduce(x):
+            x = to_dtype(x, reduce_dtype) if cast else x
+            x = pad_rows(x, world) if world else x
+            x = x if divide_after_sum else aten.div.Tensor(x, ranks)
+            waits = []
+            for d, rs in zip(reversed(layout), scatter):
+                x = (waited(c10d.reduce_scatter_tensor.default, x, "sum", d.size, d.group_name) if rs
+                     else waited(c10d.all_reduce.default, x, "sum", d.group_name))
+                waits.append(x)
+            return waits
+
+        waits = insert_traced(graph, reduce, (grad,), before=grad.next,
+                              region=grad.meta.get(meta.REGION), collective=collective_meta([fqn]))
+        # an all-reduced shard stays a shard; a gradient reduced as it is keeps its placement
+        untouched = not cast and divide_after_sum and not (world and val.shape[0] % world)
+        placed = {k: grad.meta[k] for k in (meta.PLACEMENT, meta.LOGICAL_SHAPE)
+                  if k in grad.meta and untouched}
+        for wait, rs in zip(waits, scatter):
+            if rs:
+                placed = {meta.PLACEMENT: Shard(0), meta.LOGICAL_SHAPE: tuple(val.shape)}
+            wait.meta.update(placed)
+        x = waits[-1]
         x = finish_reduction(graph, x, users, divide_by=ranks if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
         x.meta.update(placed)

@@ -11,6 +11,7 @@ not sharded (their gradients are all-reduced as in replicate).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import deque
 
@@ -19,7 +20,8 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
-from .collectives import aten, c10d, finish_reduction, insert_call, insert_cast, insert_collective
+from .subgraph import insert_traced
+from .collectives import aten, c10d, collective_meta, finish_reduction, to_dtype, waited
 from .extension_gathers import keep_recorded_gathers
 
 _VIEW_OR_CAST = {
@@ -54,19 +56,15 @@ def _first(nodes, order):
 def _gather(graph, shard, full_val, world, group_name, before, region, fqn):
     """all_gather + wait (+ narrow away the padding) before ``before``; return the full param.
     A ``full_val`` of another dtype than the shard's gathers the shard cast to it."""
-    n = full_val.shape[0]
-    rows = shard_rows(n, world)
-    padded_val = full_val.new_empty((rows * world,) + tuple(full_val.shape[1:]))
-    with graph.inserting_before(before):
-        if full_val.dtype != shard.meta["val"].dtype:
-            shard = insert_cast(graph, shard, full_val.dtype, region=region)
-        gathered = insert_collective(
-            graph, c10d.all_gather_into_tensor.default, (shard, world, group_name),
-            val=padded_val, region=region, kind="all_gather", params=[fqn],
-        )
-        if rows * world != n:
-            gathered = insert_call(graph, aten.slice.Tensor, (gathered, 0, 0, n), val=full_val,
-                                   region=region)
+    n, dtype = full_val.shape[0], full_val.dtype
+
+    def gather(x):
+        x = to_dtype(x, dtype) if x.dtype != dtype else x
+        x = waited(c10d.all_gather_into_tensor.default, x, world, group_name)
+        return aten.slice.Tensor(x, 0, 0, n) if shard_rows(n, world) * world != n else x
+
+    gathered = insert_traced(graph, gather, (shard,), before=before, region=region,
+                             collective=collective_meta([fqn]))
     gathered.meta[meta.PARAM_FQN] = fqn
     return gathered
 
@@ -190,17 +188,10 @@ def _parameters(graph: fx.Graph) -> tuple[dict, dict]:
     return params, gathered
 
 
-def padded_gradient(graph: fx.Graph, grad: fx.Node, world: int) -> fx.Node:
-    """``grad`` padded with zero rows to a multiple of ``world`` rows (at the insert point)."""
-    val = grad.meta["val"]
-    rows = shard_rows(val.shape[0], world)
-    pad = rows * world - val.shape[0]
-    if not pad:
-        return grad
-    padded_val = val.new_empty((rows * world,) + tuple(val.shape[1:]))
-    return insert_call(graph, aten.constant_pad_nd.default,
-                       (grad, [0, 0] * (val.dim() - 1) + [0, pad]),
-                       val=padded_val, region=grad.meta.get(meta.REGION))
+def pad_rows(x, world: int):
+    """``x`` padded with zero rows to a multiple of ``world`` rows (``x`` when it is one)."""
+    pad = shard_rows(x.shape[0], world) * world - x.shape[0]
+    return aten.constant_pad_nd.default(x, [0, 0] * (x.dim() - 1) + [0, pad]) if pad else x
 
 
 def micro_batch_parts(grad: fx.Node) -> list[fx.Node] | None:
@@ -228,25 +219,19 @@ def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, di
     val = grad.meta["val"]
     fqn = grad.meta[meta.PARAM_FQN]
     region = grad.meta.get(meta.REGION)
-    rows = shard_rows(val.shape[0], world)
-    pad = rows * world - val.shape[0]
     cast = reduce_dtype is not None and reduce_dtype != val.dtype
     users = list(grad.users)
+
+    def part_reduce(x):
+        x = to_dtype(x, reduce_dtype) if cast else x
+        x = pad_rows(x, world)
+        x = x if divide_after_sum else aten.div.Tensor(x, divisor)
+        return waited(c10d.reduce_scatter_tensor.default, x, "sum", world, group_name)
+
     shards = []
     for index, part in enumerate(parts):
-        with graph.inserting_before(part.next):
-            x = insert_cast(graph, part, reduce_dtype, region=region) if cast else part
-            if pad:
-                x = insert_call(graph, aten.constant_pad_nd.default,
-                                (x, [0, 0] * (val.dim() - 1) + [0, pad]),
-                                val=x.meta["val"].new_empty((rows * world,) + tuple(val.shape[1:])),
-                                region=region)
-            if not divide_after_sum:
-                x = insert_call(graph, aten.div.Tensor, (x, divisor), like=x, region=region)
-            shard = insert_collective(
-                graph, c10d.reduce_scatter_tensor.default, (x, "sum", world, group_name),
-                val=shard_val(x.meta["val"], world), region=region, kind="reduce_scatter",
-                params=[fqn])
+        shard = insert_traced(graph, part_reduce, (part,), before=part.next, region=region,
+                              collective=collective_meta([fqn]))
         shard.args[0].meta[meta.MICRO_BATCH] = index
         shards.append(shard)
     chain = [grad]
@@ -254,10 +239,9 @@ def reduce_scatter_parts(graph, grad, parts, world, group_name, reduce_dtype, di
         chain.append(chain[-1].args[0])
     pending = set(users)  # the sum goes before the first use: bucketing may move the shards
     first_use = next((n for n in graph.nodes if n in pending), None)
-    with graph.inserting_before(first_use if first_use is not None else grad.next):
-        total = shards[0]
-        for shard in shards[1:]:
-            total = insert_call(graph, aten.add.Tensor, (total, shard), like=shard, region=region)
+    total = insert_traced(graph, lambda first, *rest: functools.reduce(aten.add.Tensor, rest, first),
+                          tuple(shards), before=first_use if first_use is not None else grad.next,
+                          region=region)
     total = finish_reduction(graph, total, users, divide_by=divisor if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
     total.meta[meta.PLACEMENT] = Shard(0)
@@ -370,22 +354,21 @@ def _complete_reduction(graph: fx.Graph, node: fx.Node, group_name: str) -> None
 def _complete_value(graph: fx.Graph, value: fx.Node, reduction: fx.Node, group_name: str) -> None:
     users = list(value.users)
     region = value.meta.get(meta.REGION)
-    with graph.inserting_before(value.next):
-        if reduction.target in _NORMS:
-            p = reduction.args[1] if len(reduction.args) > 1 else reduction.kwargs.get("ord", 2)
-            p = 2.0 if p is None else float(p)
-            if p == float("inf"):
-                whole = insert_collective(graph, c10d.all_reduce.default, (value, "max", group_name),
-                                          val=value.meta["val"], region=region, kind="all_reduce", params=[])
-            else:
-                powered = insert_call(graph, aten.pow.Tensor_Scalar, (value, p), like=value)
-                summed = insert_collective(graph, c10d.all_reduce.default, (powered, "sum", group_name),
-                                           val=value.meta["val"], region=region, kind="all_reduce", params=[])
-                whole = insert_call(graph, aten.pow.Tensor_Scalar, (summed, 1.0 / p), like=value)
-        else:
-            op = "sum" if reduction.target in _SUMS else "max"
-            whole = insert_collective(graph, c10d.all_reduce.default, (value, op, group_name),
-                                      val=value.meta["val"], region=region, kind="all_reduce", params=[])
+    p = op = None
+    if reduction.target in _NORMS:
+        p = reduction.args[1] if len(reduction.args) > 1 else reduction.kwargs.get("ord", 2)
+        p = 2.0 if p is None else float(p)
+    if p is None or p == float("inf"):
+        op = "sum" if reduction.target in _SUMS else "max"
+
+    def complete(x):  # a p-norm: (the sum over shards of norm ** p) ** (1 / p)
+        if op is not None:
+            return waited(c10d.all_reduce.default, x, op, group_name)
+        summed = waited(c10d.all_reduce.default, aten.pow.Tensor_Scalar(x, p), "sum", group_name)
+        return aten.pow.Tensor_Scalar(summed, 1.0 / p)
+
+    whole = insert_traced(graph, complete, (value,), before=value.next, region=region,
+                          collective=collective_meta([]))
     whole.meta[meta.PLACEMENT] = Replicate()
     for u in users:
         u.replace_input_with(value, whole)

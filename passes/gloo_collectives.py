@@ -17,8 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from spmd_compiler.torch_internals import _resolve_process_group
+
 from . import meta
 from .collectives import aten, c10d, joined
+from .subgraph import insert_traced
 
 
 def _group(name):
@@ -26,7 +29,7 @@ def _group(name):
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        group = dist.distributed_c10d._resolve_process_group(name)
+        group = _resolve_process_group(name)
     except (KeyError, RuntimeError, ValueError):
         return None
     return group.rank(), group.size()
@@ -37,12 +40,23 @@ def _cpu_static(val) -> bool:
             and all(isinstance(s, int) for s in val.shape))
 
 
-def _call(graph, target, args, like, val=None):
-    node = graph.call_function(target, tuple(args))
-    node.meta["val"] = like.meta.get("val") if val is None else val
-    if meta.REGION in like.meta:
-        node.meta[meta.REGION] = like.meta[meta.REGION]
-    return node
+def _broadcast_rows(shard, buf, rank: int, world: int, rows: int, name: str) -> list:
+    """Copy ``shard`` into this rank's rows of ``buf``; broadcast every rank's rows from it."""
+    slices = [aten.slice.Tensor(buf, 0, r * rows, (r + 1) * rows) for r in range(world)]
+    own = aten.copy_.default(slices[rank], shard)
+    return [c10d.broadcast_.default(own if r == rank else s, r, name) for r, s in enumerate(slices)]
+
+
+def _waits(*issued) -> list:
+    return [c10d.wait_tensor.default(x) for x in issued]
+
+
+def _own_rows(reduced, rank: int, rows: int):
+    """(the all-reduce's wait, a new tensor holding this rank's rows of its result)."""
+    done = c10d.wait_tensor.default(reduced)
+    mine = aten.slice.Tensor(done, 0, rank * rows, (rank + 1) * rows)
+    empty = aten.empty.memory_format(list(mine.shape), dtype=mine.dtype, device=mine.device)
+    return done, aten.copy_.default(empty, mine)
 
 
 def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
@@ -65,19 +79,15 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         rank = group[0]
         rows = buf.meta["val"].shape[0] // world
-        with graph.inserting_before(node):
-            slices = [_call(graph, aten.slice.Tensor, (buf, 0, r * rows, (r + 1) * rows), node,
-                            buf.meta["val"][r * rows:(r + 1) * rows]) for r in range(world)]
-            own = _call(graph, aten.copy_.default, (slices[rank], shard), slices[rank])
-            issued = [_call(graph, c10d.broadcast_.default, (own if r == rank else s, r, name), s)
-                      for r, s in enumerate(slices)]
-        for issue in issued:
-            issue.meta[meta.ROLE] = meta.Role.COLLECTIVE
-            issue.meta[meta.COLLECTIVE] = dict(node.meta.get(meta.COLLECTIVE) or {}, kind="broadcast")
+        info = dict(node.meta.get(meta.COLLECTIVE) or {}, kind="broadcast")
+        region = node.meta.get(meta.REGION)
+        issued = insert_traced(graph, _broadcast_rows, (shard, buf, rank, world, rows, name),
+                               before=node, region=region, collective=info)
         for wait in waits:
+            done = insert_traced(graph, _waits, tuple(issued), before=wait, region=region)
             with graph.inserting_before(wait):
-                done = [_call(graph, c10d.wait_tensor.default, (i,), i) for i in issued]
-                whole = _call(graph, joined, (buf, *done), wait)
+                whole = graph.call_function(joined, (buf, *done))  # a Python call: not traced
+            whole.meta.update(val=wait.meta["val"], **{meta.REGION: wait.meta.get(meta.REGION)})
             wait.replace_all_uses_with(whole)
             graph.erase_node(wait)
         graph.erase_node(node)
@@ -105,18 +115,13 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
             continue
         rank = group[0]
         rows = x.meta["val"].shape[0] // world
-        with graph.inserting_before(node):
-            reduced = _call(graph, c10d.all_reduce_.default, (x, op, name), x)
-        reduced.meta.update({k: node.meta[k] for k in (meta.ROLE, meta.COLLECTIVE) if k in node.meta})
+        region = x.meta.get(meta.REGION)
+        reduced = insert_traced(graph, c10d.all_reduce_.default, (x, op, name), before=node,
+                                region=region, collective=node.meta.get(meta.COLLECTIVE))
         for wait in waits:
-            with graph.inserting_before(wait):
-                done = _call(graph, c10d.wait_tensor.default, (reduced,), reduced)
-                mine = _call(graph, aten.slice.Tensor, (done, 0, rank * rows, (rank + 1) * rows), wait)
-                val = wait.meta["val"]
-                empty = graph.call_function(aten.empty.memory_format, (list(val.shape),),
-                                            {"dtype": val.dtype, "device": val.device})
-                empty.meta.update(val=val, **{meta.REGION: wait.meta.get(meta.REGION)})
-                shard = _call(graph, aten.copy_.default, (empty, mine), wait)
+            done, shard = insert_traced(graph, _own_rows, (reduced, rank, rows), before=wait,
+                                        region=wait.meta.get(meta.REGION))
+            done.meta[meta.REGION] = region
             wait.replace_all_uses_with(shard)
             graph.erase_node(wait)
         graph.erase_node(node)

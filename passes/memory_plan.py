@@ -9,8 +9,9 @@ knows every such tensor's size and lifetime from the graph, so it packs them int
 once, as compilers for accelerators do: each gets an offset where no tensor that is alive at the
 same time overlaps it, and the op writes there through its ``out=`` variant.
 
-The workspace is one buffer per device shared by every compiled step of the process (steps run
-one at a time), grown to the largest plan; ``workspace_bytes()`` says how much it holds.
+The workspace is an input of the graph (one ``workspace`` placeholder per device, named in
+``gm.meta[WORKSPACES]``): the graph reads no state of its own. The runtime owns the buffers and
+passes them in (spmd_compiler/runtime.py, ``Workspaces``; the step signature's ``workspaces``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._library._out_variant import get_out_arg_names, to_out_variant
+
+from spmd_compiler.torch_internals import get_out_arg_names, has_kernel, to_out_variant
 
 from . import meta
 from .collectives import aten, c10d, joined
 
 ALIGN = 64
-_WORKSPACES: dict[torch.device, torch.Tensor] = {}
 # Functional ops whose out variant is not an overload of the same packet.
 _OUT_VARIANTS = {
     c10d.reduce_scatter_tensor.default: c10d.reduce_scatter_tensor_out.default,
@@ -35,26 +36,6 @@ _OUT_VARIANTS = {
 _COLLECTIVES = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default,
                 c10d.reduce_scatter_tensor.default, c10d.reduce_scatter_tensor_out.default,
                 c10d.all_reduce.default, c10d.all_reduce_.default, c10d.broadcast_.default)
-
-
-def workspace(nbytes: int, device: torch.device) -> torch.Tensor:
-    """The process's workspace on ``device``, at least ``nbytes`` long (grown if needed)."""
-    buffer = _WORKSPACES.get(device)
-    if buffer is None or buffer.numel() < nbytes:
-        _WORKSPACES.pop(device, None)  # free the old one before making the larger one
-        buffer = _WORKSPACES[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buffer
-
-
-def free_workspaces() -> None:
-    """Drop the workspaces (the next compiled step makes its own again), e.g. after the large
-    model that grew them is gone."""
-    _WORKSPACES.clear()
-
-
-def workspace_bytes() -> int:
-    """Bytes the workspaces of this process hold (kept between steps, like a caching allocator)."""
-    return sum(b.numel() for b in _WORKSPACES.values())
 
 
 def alias_source(node: fx.Node) -> fx.Node | None:
@@ -126,7 +107,7 @@ def _out_variant(node: fx.Node):
     # Only a kernel of the device's own writes into ``out``; the generated fallback
     # (CompositeExplicitAutograd) computes a new tensor and copies it over.
     device = node.meta["val"].device.type.upper()
-    if out_op is None or not torch._C._dispatch_has_kernel_for_dispatch_key(out_op.name(), device):
+    if out_op is None or not has_kernel(out_op.name(), device):
         return None
     return out_op
 
@@ -138,9 +119,10 @@ def plan_static_memory(gm: fx.GraphModule, *, min_bytes: int = 2**20) -> fx.Grap
 
     Offsets: largest first, each at the lowest offset (64-byte aligned) that no tensor alive at
     the same time occupies. Reads: node.meta["val"], op schemas, users. Writes: one workspace
-    node per device at the top of the graph, a view of it per planned tensor (each node's
-    ``val`` computed by its op on the graph's fake values), the planned ops' targets and ``out``
-    arguments; recompiles.
+    placeholder per device after the last input (a uint8 buffer of at least the plan's size;
+    ``gm.meta[WORKSPACES]``: (device, bytes) of each, in order), a view of it per planned tensor
+    (each node's ``val`` computed by its op on the graph's fake values), the planned ops' targets
+    and ``out`` arguments; recompiles.
     """
     graph = gm.graph
     nodes = list(graph.nodes)
@@ -159,15 +141,19 @@ def plan_static_memory(gm: fx.GraphModule, *, min_bytes: int = 2**20) -> fx.Grap
     if not planned:
         return gm
     first = next(n for n in nodes if n.op != "placeholder")
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    gm.meta[meta.WORKSPACES] = []
     for device in dict.fromkeys(n.meta["val"].device for n, _, _ in planned):
         here = [(n, nbytes, out_op) for n, nbytes, out_op in planned if n.meta["val"].device == device]
         offsets, total = _pack([(pos[n], last[n], -(-nbytes // ALIGN) * ALIGN) for n, nbytes, _ in here])
         mode = getattr(here[0][0].meta["val"], "fake_mode", None) or contextlib.nullcontext()
-        with graph.inserting_before(first):
-            ws = graph.call_function(workspace, (total, device))
+        with graph.inserting_after(inputs[-1]) if inputs else graph.inserting_before(first):
+            ws = graph.placeholder("workspace")
+        inputs.append(ws)
         with mode:  # the values the ops give, on the graph's fake tensors
             ws.meta["val"] = torch.empty(total, dtype=torch.uint8, device=device)
-        ws.meta[meta.REGION] = first.meta.get(meta.REGION)
+        ws.meta[meta.REGION] = meta.Region.FORWARD  # an input, as the step's state is
+        gm.meta[meta.WORKSPACES].append((str(device), total))
         for (n, nbytes, out_op), offset in zip(here, offsets):
             val = n.meta["val"]
             with graph.inserting_before(n):

@@ -68,6 +68,9 @@ MICRO_BATCH = "spmd_micro_batch"
 KEPT_GRADS = "spmd_kept_grads"
 # dict[str, str]: per pass, a one-line note on a choice it made (shown in the summary)
 NOTES = "spmd_notes"
+# list[(device, bytes)]: the workspace inputs passes/memory_plan.py added (the last placeholders
+# but the rank check's), in order; the runtime passes a buffer of at least that size for each.
+WORKSPACES = "spmd_workspaces"
 # list[str]: the process group name of each mesh dim, outermost first (passes/expand.py), so a
 # collective's group names the mesh dim it runs on.
 MESH_DIMS = "spmd_mesh_dims"

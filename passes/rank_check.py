@@ -25,8 +25,9 @@ def place_rank_check(gm: fx.GraphModule, check: Callable[[object], None]) -> fx.
     """
     graph = gm.graph
     first = next(
-        (n for n in graph.nodes if n.op == "output" or _communicates(n)
-         or n.meta.get(meta.REGION) == meta.Region.OPTIMIZER or _updates_placeholder(n)),
+        (n for n in graph.nodes if n.op == "output" or n.op != "placeholder" and (
+            _communicates(n) or n.meta.get(meta.REGION) == meta.Region.OPTIMIZER
+            or _updates_placeholder(n))),
     )
     last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last_input):

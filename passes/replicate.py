@@ -7,7 +7,8 @@ import torch
 import torch.fx as fx
 
 from . import meta
-from .collectives import aten, c10d, insert_call, insert_collective
+from .collectives import aten, c10d, waited
+from .subgraph import insert_traced
 
 
 def broadcast_buffers_from_rank0(graph: fx.Graph, group_name: str, world_size: int) -> None:
@@ -25,30 +26,18 @@ def broadcast_buffers_from_rank0(graph: fx.Graph, group_name: str, world_size: i
     if not buffers or world_size == 1:
         return
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
-    region = meta.Region.FORWARD
-    with graph.inserting_before(first_op):
-        views = []
-        for buf in buffers:
-            flat = insert_call(graph, aten.reshape.default, (buf, [-1]),
-                               val=buf.meta["val"].reshape(-1), region=region)
-            views.append(insert_call(graph, aten.view.dtype, (flat, torch.uint8),
-                                     val=flat.meta["val"].view(torch.uint8), region=region))
-        packed = insert_call(graph, aten.cat.default, (views,),
-                             val=torch.cat([v.meta["val"] for v in views]), region=region)
-        synced = insert_collective(
-            graph, c10d.broadcast.default, (packed, 0, group_name),
-            val=packed.meta["val"], region=region, kind="broadcast",
-            params=[buf.meta[meta.PARAM_FQN] for buf in buffers],
-        )
-        offset = 0
-        for buf, view in zip(buffers, views):
-            val = buf.meta["val"]
-            size = view.meta["val"].numel()
-            part = insert_call(graph, aten.slice.Tensor, (synced, 0, offset, offset + size),
-                               val=synced.meta["val"][offset:offset + size], region=region)
-            typed = insert_call(graph, aten.view.dtype, (part, val.dtype),
-                                val=part.meta["val"].view(val.dtype), region=region)
-            shaped = insert_call(graph, aten.view.default, (typed, list(val.shape)),
-                                 val=typed.meta["val"].view(val.shape), region=region)
-            insert_call(graph, aten.copy_.default, (buf, shaped), like=buf, region=region)
-            offset += size
+    insert_traced(graph, _broadcast, (buffers, group_name), before=first_op,
+                  region=meta.Region.FORWARD,
+                  collective=dict(kind="broadcast", params=[b.meta[meta.PARAM_FQN] for b in buffers]))
+
+
+def _broadcast(buffers: list, group_name: str) -> None:
+    """Rank 0's bytes of ``buffers`` copied into every rank's, in one flat broadcast."""
+    views = [aten.view.dtype(aten.reshape.default(b, [-1]), torch.uint8) for b in buffers]
+    synced = waited(c10d.broadcast.default, aten.cat.default(views), 0, group_name)
+    offset = 0
+    for b, view in zip(buffers, views):
+        size = view.numel()
+        part = aten.view.dtype(aten.slice.Tensor(synced, 0, offset, offset + size), b.dtype)
+        aten.copy_.default(b, aten.view.default(part, list(b.shape)))
+        offset += size

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from . import meta
-from .collectives import c10d, tensor_bytes
+from .collectives import c10d
+from .subgraph import tensor_bytes
 from .dependencies import step_dependencies, views_of
 from .memory_plan import alias_source
 

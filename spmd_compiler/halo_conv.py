@@ -23,12 +23,11 @@ halo needed).
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .errors import UnsupportedError
-from .torch_internals import dtensor_op_handlers, local_tensor
+from .torch_internals import dtensor_op_handlers, funcol, local_tensor
 
 aten = torch.ops.aten
 

@@ -21,9 +21,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from spmd_compiler.passes.memory_plan import workspace_bytes
-
-from .runtime import local_buffer
+from .runtime import WORKSPACES, local_buffer
 
 _MEASURED = "spmd_compiler.measured_step"
 
@@ -93,7 +91,7 @@ def measure_step_memory(step: Callable[[], Any], module: torch.nn.Module,
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(warmup):
             step()
-        workspace = workspace_bytes()
+        workspace = WORKSPACES.nbytes()
         before = live_state_bytes(module, optimizers) + workspace
         with record_function(_MEASURED):
             step()

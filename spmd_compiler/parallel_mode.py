@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from .errors import SPMDError
 from .mixed_precision import check_policy
+from .torch_internals import pytree
 
 _STYLES = ("replicate", "fully_shard", "hybrid_shard")
 SHARDED_STYLES = ("fully_shard", "hybrid_shard")  # parameters sharded on the mesh's inner dim

@@ -222,6 +222,9 @@ def _schedule(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
 def _lower(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
     b.guard_code = b.traced.shape_env.produce_guards_expression(b.traced.fake_inputs)
     b.runnable = lower(gm, b.options.backend, rank_check=b.options.rank_check)
+    if isinstance(b.runnable, torch.fx.GraphModule):
+        workspaces = tuple(tuple(w) for w in b.runnable.meta.get(meta.WORKSPACES, ()))
+        b.signature = dataclasses.replace(b.signature, workspaces=workspaces)
     return gm
 
 

@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 
 from . import tensor_parallel as tp
-from .torch_internals import dtensor_spec, local_tensor, pytree
+from .torch_internals import _broadcast_coalesced, dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
@@ -82,7 +82,7 @@ def broadcast_from_first(tensors: list[torch.Tensor], mesh: DeviceMesh) -> None:
     tensors = [t for t in tensors if t.numel()]
     for d in range(mesh.ndim):
         if tensors and mesh.size(d) > 1:
-            dist._broadcast_coalesced(mesh.get_group(d), tensors, 250 * 2**20, 0)
+            _broadcast_coalesced(mesh.get_group(d), tensors, 250 * 2**20, 0)
 
 
 def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
@@ -644,6 +644,7 @@ class CompiledGraph:
         sig = self.traced.signature
         params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
         flat = self._bind(sa, mesh, self.with_lifted(hparams), accumulated, params)
+        flat += WORKSPACES.buffers(sig.workspaces)
         if self.checks_ranks_inside:
             flat.append(agreement)
         with communication_failures("the compiled step",
@@ -697,6 +698,40 @@ class CompiledGraph:
             if eager is not None and eager.grads_written:  # an eager backward's, now stale
                 eager.clear_grads()
         return flat
+
+
+class Workspaces:
+    """The buffers compiled graphs' planned workspaces live in (passes/memory_plan.py): one per
+    device, shared by every compiled step of the process (steps run one at a time), grown to
+    the largest plan and kept between steps, like a caching allocator. ``CompiledGraph`` passes
+    them to its graph as the inputs the signature's ``workspaces`` names."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def buffers(self, specs: tuple[tuple[str, int], ...]) -> list[torch.Tensor]:
+        """A uint8 buffer of at least ``nbytes`` on ``device`` per (device, nbytes)."""
+        out = []
+        for device, nbytes in specs:
+            buffer = self._buffers.get(device)
+            if buffer is None or buffer.numel() < nbytes:
+                self._buffers.pop(device, None)  # free the old one before making the larger one
+                buffer = self._buffers[device] = torch.empty(nbytes, dtype=torch.uint8,
+                                                             device=device)
+            out.append(buffer)
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes the buffers hold."""
+        return sum(b.numel() for b in self._buffers.values())
+
+    def free(self) -> None:
+        """Drop the buffers (the next step makes them again), e.g. after the large model that
+        grew them is gone."""
+        self._buffers.clear()
+
+
+WORKSPACES = Workspaces()  # the process's
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

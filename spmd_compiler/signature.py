@@ -7,7 +7,10 @@ outputs.
 
 Inputs, in order::
 
-    params | buffers | states | hparams | inputs | grads_in
+    params | buffers | states | hparams | inputs | grads_in | workspaces | agreement
+
+(``workspaces``: the eager lowering's planned workspaces, passes/memory_plan.py; ``agreement``:
+the per-call agreement a graph that checks the ranks itself awaits, passes/rank_check.py.)
 
 Outputs, in order::
 
@@ -45,6 +48,9 @@ class StepSignature:
     new_states: tuple[tuple[str, str], ...] = ()  # optimizer state created by the step
     grads_out: tuple[str, ...] = ()  # parameters whose accumulated gradient is returned
     kept_grads: tuple[str, ...] = ()  # parameters whose averaged gradient is returned last
+    # (device, bytes) of each workspace input of the lowered graph: a uint8 buffer at least
+    # that long, owned by the runtime (runtime.Workspaces)
+    workspaces: tuple[tuple[str, int], ...] = ()
     # optimizer state of the parameter's shape is bound as padded dim-0 shards (fully_shard)
     sharded_states: bool = False
     # tensor subclasses (spmd_compiler/subclass_params.py): per parameter, state, user output

@@ -43,12 +43,12 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from spmd_compiler.passes import meta
 
 from .errors import UnsupportedError
 from .per_call_parameters import parameters_replaced_per_call
+from .torch_internals import is_traceable_wrapper_subclass, pytree
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 _GLOO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
@@ -317,7 +317,7 @@ def unshard(fqn: str, outer: torch.Tensor, hooks: Hooks, shard: ShardContext, mo
 
 def _describe_metadata(metadata) -> str:
     """The metadata as ranks must agree on it: tensors by shape and dtype, the rest by repr."""
-    leaves, spec = torch.utils._pytree.tree_flatten(metadata)
+    leaves, spec = pytree.tree_flatten(metadata)
     return str(spec) + repr([(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor)
                              else repr(x) for x in leaves])
 

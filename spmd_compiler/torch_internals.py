@@ -1,7 +1,8 @@
 """Everything spmd_compiler takes from torch beyond its public API, in one module.
 
-The rest of spmd_compiler imports torch's private names from here and patches torch only
-through the functions here. Pinned: torch 2.13 (``PINNED``); tests/test_torch_internals.py
+The rest of spmd_compiler and passes/ import torch's private names from here and patch torch
+only through the functions here. It imports only torch and the standard library (a leaf: any
+module, passes/ too, can import it without a circle). Pinned: torch 2.13 (``PINNED``); tests/test_torch_internals.py
 asserts the signatures relied on, so a torch upgrade fails there, loudly, first.
 
 Two kinds of patch:
@@ -37,10 +38,14 @@ from typing import Callable
 
 import torch
 import torch._logging._internal as logging_internal
+import torch.distributed._functional_collectives as funcol
 import torch.utils._pytree as pytree
 from torch._C import DispatchKey
 from torch._C._profiler import _EventType
 from torch._dynamo.source import ConstantSource
+from torch._guards import detect_fake_mode
+from torch._library._out_variant import get_out_arg_names, to_out_variant
+from torch._ops import OpOverload
 from torch._prims_common import infer_size, is_contiguous_or_false
 from torch._subclasses._fake_tensor_utils import _CacheKeyState, _InputBackref, _PySymInputStub
 from torch._subclasses.fake_impls import _compute_stride
@@ -51,6 +56,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.distributed import _broadcast_coalesced
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx._lazy_graph_module import (
     _LazyGraphModule,
@@ -64,12 +72,12 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, uninteresting_files
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from spmd_compiler.passes import meta
-
-__all__ = [  # torch's private names the rest of spmd_compiler uses
-    "ConstantSource", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
+__all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
+    "OpOverload", "_NormPartial", "_broadcast_coalesced", "_resolve_process_group",
+    "detect_fake_mode", "funcol", "get_out_arg_names", "is_traceable_wrapper_subclass",
+    "to_out_variant", "ConstantSource", "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
     "FakeTensorMode", "TorchDispatchMode", "_EventType", "_LazyGraphModule", "_StridedShard",
     "_get_fused_kernels_supported_devices", "_make_graph_module", "_register_stack_trace_anchor",
     "_reparametrize_module", "_use_lazy_graph_module", "get_proxy_mode", "pytree",
@@ -368,21 +376,21 @@ def user_line_here() -> str:
 
 
 @contextlib.contextmanager
-def tag_regions():
+def tag_regions(key: str, forward, backward):
     """While recording: nodes recorded before and inside ``torch.autograd.backward`` (what
-    ``loss.backward()`` calls) get REGION forward and backward (where unset)."""
+    ``loss.backward()`` calls) get ``meta[key]`` ``forward`` and ``backward`` (where unset)."""
     original = torch.autograd.backward
 
     def tag(region):
         mode = get_proxy_mode()
         if mode is not None:
             for node in mode.tracer.graph.nodes:
-                node.meta.setdefault(meta.REGION, region)
+                node.meta.setdefault(key, region)
 
     def recorded_backward(*args, **kwargs):
-        tag(meta.Region.FORWARD)
+        tag(forward)
         result = original(*args, **kwargs)
-        tag(meta.Region.BACKWARD)
+        tag(backward)
         return result
 
     with _swapped(torch.autograd, "backward", recorded_backward):

@@ -589,7 +589,8 @@ class _StatelessStep:
         by_name.update({n: buffer_of[id(b)] for n, b in st.named_buffers})
         state_by_key = dict(zip([k for k, _ in st.states], states))
         trainable = [fp for fp in params if fp.requires_grad]
-        with _reparametrize_module(sa.module, by_name, strict=False), tag_regions(), \
+        regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD)
+        with _reparametrize_module(sa.module, by_name, strict=False), regions, \
                 refuse_reentrant_checkpoint(_reentrant_checkpoint_error), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse
         ), self.reads, compiling_forward(sa.module), cast_forward(sa.module, self.mp_policy), \

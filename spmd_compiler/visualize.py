@@ -25,11 +25,11 @@ import torch.fx as fx
 from tabulate import tabulate
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from spmd_compiler.passes.memory_plan import lifetimes, workspace
+from spmd_compiler.passes.memory_plan import lifetimes
 from spmd_compiler.passes.expand import mesh_dim_of
 from spmd_compiler.passes.meta import (
     BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT, REGION, ROLE,
-    STATE_KEY, Role,
+    STATE_KEY, WORKSPACES, Role,
 )
 
 from .torch_internals import _StridedShard
@@ -820,7 +820,7 @@ def estimate_peak_memory(gm: fx.GraphModule, sizer: _Sizer | None = None) -> tup
     for n in nodes:
         if roots[n] is n and n.op != "output":
             size[n] = sizer.nbytes(n.meta.get("val"))[0]
-            end = len(nodes) if n.op == "placeholder" or n.target is workspace else last[n]
+            end = len(nodes) if n.op == "placeholder" else last[n]
             frees[end].append(n)
     live = peak = 0
     peak_node = nodes[0].name if nodes else ""
@@ -894,8 +894,8 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     persistent_bytes = {k: persistent[k] for k in ("params", "grads", "buffers", "optimizer state")}
     persistent_bytes["total persistent"] = sum(persistent_bytes.values())
     peak, peak_node = estimate_peak_memory(lowered if lowered is not None else gm, sizer)
-    workspace_bytes = sum(sizer.nbytes(n.meta.get("val"))[0] for n in
-                          (lowered.graph.nodes if lowered is not None else ()) if n.target is workspace)
+    workspace_bytes = sum(nbytes for _, nbytes in
+                          (lowered.meta.get(WORKSPACES, ()) if lowered is not None else ()))
     return Summary(
         num_nodes=len(nodes),
         size_hints=dict(sizer.used),

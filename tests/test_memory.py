@@ -21,7 +21,8 @@ from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.collectives import c10d
 from spmd_compiler.passes.dependencies import step_dependencies
 from spmd_compiler.passes.expand import expand_fully_shard
-from spmd_compiler.passes.memory_plan import free_workspaces, plan_static_memory, workspace
+from spmd_compiler.passes.memory_plan import plan_static_memory
+from spmd_compiler.runtime import WORKSPACES
 from spmd_compiler.passes.recompute import recompute_activations, saved_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
@@ -180,12 +181,12 @@ def test_static_memory_plan_reuses_memory_and_computes_the_same():
     x, w = torch.randn(256, 256), torch.randn(256, 256) / 16
     gm = make_fx(f, tracing_mode="fake")(x, w)
     planned = plan_static_memory(copy.deepcopy(gm), min_bytes=64 * 1024)
-    (ws,) = [n for n in planned.graph.nodes if n.target is workspace]
+    ((_, total),) = planned.meta[meta.WORKSPACES]
     outs = [n for n in planned.graph.nodes if "out" in n.kwargs]
     # a, tanh, d, e, e * 2; c is returned, relu.out is the generated fallback (it would allocate)
     assert len(outs) == 5
-    assert ws.args[0] < len(outs) * 256 * 256 * 4  # slots are reused
-    expected, got = gm(x, w), planned(x, w)
+    assert total < len(outs) * 256 * 256 * 4  # slots are reused
+    expected, got = gm(x, w), planned(x, w, torch.empty(total, dtype=torch.uint8))
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -300,7 +301,7 @@ def _measured_job(style: str) -> dict:
     for i in range(2):
         step(model, opt, _deep_batch(i, width=512))
     batch = _deep_batch(9, width=512)
-    free_workspaces()  # earlier jobs in this worker grew the process's workspace
+    WORKSPACES.free()  # earlier jobs in this worker grew the process's workspace
     step(model, opt, batch)
     report = measure_step_memory(lambda: step(model, opt, batch), model, [opt])
     summary = entry_summary(step.last_compiled)

@@ -15,7 +15,7 @@ from spmd_compiler.passes.cleanup import eliminate_dead_code, remove_profiler_no
 from spmd_compiler.passes.collectives import aten, c10d
 from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
 from spmd_compiler.passes.grad_outputs import output_gradients
-from spmd_compiler.passes.memory_plan import plan_static_memory, workspace
+from spmd_compiler.passes.memory_plan import plan_static_memory
 from spmd_compiler.passes.recompute import recompute_activations, saved_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
 
@@ -202,19 +202,25 @@ def test_schedule_without_overlap_waits_right_after_issuing():
 # ------------------------------------------------------------------------------- memory_plan
 
 
-def _two_temporaries() -> fx.GraphModule:
+def _two_temporaries(n: int = 64) -> fx.GraphModule:
     b = _Builder()
-    x = b.input("x", 64, 64)
+    x = b.input("x", n, n)
     a = b.call(aten.mul.Tensor, x, 2)
     c = b.call(aten.add.Tensor, a, 1)
     return b.done(b.call(aten.sum.default, c))
 
 
+def _workspaces(gm) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "workspace"]
+
+
 def test_memory_plan_puts_temporaries_in_the_workspace_without_overlap():
     gm = plan_static_memory(_two_temporaries(), min_bytes=1)
-    (ws,) = [n for n in gm.graph.nodes if n.target is workspace]
     nbytes = 64 * 64 * 4
-    assert ws.args[0] == 2 * nbytes  # both alive at the add: side by side
+    (ws,) = _workspaces(gm)  # an input after the graph's own, not state the graph reads
+    assert [n.op for n in gm.graph.nodes][:2] == ["placeholder", "placeholder"] and ws.prev.name == "x"
+    assert gm.meta[meta.WORKSPACES] == [("cpu", 2 * nbytes)]  # both alive at the add: side by side
+    assert tuple(ws.meta["val"].shape) == (2 * nbytes,) and ws.meta["val"].dtype == torch.uint8
     planned = [n for n in gm.graph.nodes if "out" in n.kwargs]
     assert [n.target for n in planned] == [aten.mul.out, aten.add.out]
     for n in gm.graph.nodes:  # every view of the workspace has the value its op computes
@@ -224,12 +230,72 @@ def test_memory_plan_puts_temporaries_in_the_workspace_without_overlap():
     slices = [n for n in gm.graph.nodes if n.target is aten.slice.Tensor]
     assert sorted(s.args[2] for s in slices) == [0, nbytes]
     x = torch.randn(64, 64)
-    torch.testing.assert_close(gm(x)[0], (x * 2 + 1).sum())
+    buffer = torch.zeros(3 * nbytes, dtype=torch.uint8)  # the runtime's, possibly larger
+    torch.testing.assert_close(gm(x, buffer)[0], (x * 2 + 1).sum())
+    assert buffer[:2 * nbytes].any() and not buffer[2 * nbytes:].any()  # the ops wrote into it
+
+
+def test_graph_nodes_read_no_module_state():
+    """Links from a graph to the runtime are its inputs: no node of a lowered graph calls a
+    Python function that reads a module global of spmd_compiler (the workspace, the per-call
+    agreement); the only Python functions left in it are pure."""
+    from spmd_compiler.consistency import await_agreement
+    from spmd_compiler.passes.collectives import joined
+    from spmd_compiler.pipeline import lower
+    from spmd_compiler.runtime import WORKSPACES
+    from spmd_compiler.signature import StepSignature
+
+    nbytes = 512 * 512 * 4  # 1 MiB each: planned
+    gm = lower(_two_temporaries(512), "eager", rank_check=await_agreement)
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "workspace", "agreement"]
+    assert gm.meta[meta.WORKSPACES] == [("cpu", 2 * nbytes)]
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert {t for t in targets if not isinstance(t, torch._ops.OpOverload)} <= {await_agreement, joined}
+    x = torch.randn(512, 512)
+    sig = StepSignature((), (), (), (), (0,), workspaces=tuple(gm.meta[meta.WORKSPACES]))
+    WORKSPACES.free()
+    out = gm(x, *WORKSPACES.buffers(sig.workspaces), None)  # no agreement in flight
+    torch.testing.assert_close(out[0], (x * 2 + 1).sum())
+    assert WORKSPACES.nbytes() == 2 * nbytes
 
 
 def test_memory_plan_leaves_small_tensors_to_malloc():
     gm = plan_static_memory(_two_temporaries())  # 16 KiB each, under the default 1 MiB
-    assert workspace not in _targets(gm)
+    assert not _workspaces(gm) and not gm.meta.get(meta.WORKSPACES)
+
+
+# ---------------------------------------------------------------------------------- subgraph
+
+
+def test_insert_traced_records_a_function_with_its_ops_values_and_meta():
+    from spmd_compiler.passes.subgraph import insert_traced
+
+    b = _Builder()
+    x = b.input("x", 6, 4)
+    out = b.call(aten.sum.default, x)
+    gm = b.done(out)
+
+    def reduce(t, world, group):
+        flat = aten.reshape.default(aten.div.Tensor(t, world), [-1])
+        return c10d.wait_tensor.default(c10d.all_reduce.default(flat, "sum", group)), t
+
+    done, same = insert_traced(gm.graph, reduce, (x, 2, "g"), before=out, region=BWD,
+                               collective=dict(kind="all_reduce", params=["w"]), **{meta.BUCKET: 3})
+    assert same is x  # an argument returned as it is stays that node
+    new = [n for n in gm.graph.nodes if n.op == "call_function" and n is not out]
+    # ops as called (reshape not decomposed), before ``before``, each with the value its op gives
+    assert [n.target for n in new] == [aten.div.Tensor, aten.reshape.default,
+                                       c10d.all_reduce.default, c10d.wait_tensor.default]
+    assert new[-1] is done and done.next is out
+    assert all(n.meta[meta.REGION] == BWD and tuple(n.meta["val"].shape) == ((6, 4) if i == 0 else (24,))
+               for i, n in enumerate(new))
+    issue = new[2]
+    assert issue.meta[meta.COLLECTIVE] == dict(kind="all_reduce", bytes=96, params=["w"])
+    assert issue.meta[meta.ROLE] == done.meta[meta.ROLE] == meta.Role.COLLECTIVE
+    assert issue.meta[meta.BUCKET] == done.meta[meta.BUCKET] == 3
+    assert meta.ROLE not in new[0].meta
+    meta.check(gm, "insert_traced")
+    gm.graph.lint()
 
 
 # --------------------------------------------------------------------------------- recompute
