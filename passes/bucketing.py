@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from . import meta
@@ -27,14 +28,18 @@ class _Member:
     nbytes: int
 
 
-def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Member]:
+def _members(graph: fx.Graph, target, own_cap: int | None = None, plan: bool = False) -> list[_Member]:
     """The per-parameter collectives of ``target`` that may join a bucket: those whose input and
-    output are smaller than ``own_cap`` bytes (larger ones keep their own collective)."""
+    output are smaller than ``own_cap`` bytes (larger ones keep their own collective). With
+    ``plan``: a tensor-parallel plan's summing collectives (MODEL_PARALLEL) instead."""
     out = []
     for node in graph.nodes:
-        if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params") \
-                or meta.BUCKET in node.meta or meta.GATHERED in node.meta:
+        if node.target is not target or meta.BUCKET in node.meta or meta.GATHERED in node.meta:
             continue  # a bucket already, or a gather of what all-gather extensions computed
+        if (not plan and not (node.meta.get(meta.COLLECTIVE) or {}).get("params")) or (
+                plan and (meta.MODEL_PARALLEL not in node.meta or node.args[1] != "sum"
+                          or not _static(node.args[0]))):
+            continue  # (a plan's reduction of an activation: its shape follows the batch)
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         if len(waits) != 1 or len(node.users) != 1:
             continue
@@ -49,6 +54,12 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
             continue
         out.append(_Member(node, waits[0], source, scale, nbytes))
     return out
+
+
+def _static(node: fx.Node) -> bool:
+    """Is ``node``'s shape free of symbols (a bucket's views hold plain sizes)?"""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape)
 
 
 def _by_dtype(members: list[_Member]) -> list[list[_Member]]:
@@ -126,13 +137,17 @@ def bucket_collectives(
     copy its bytes into the bucket (and, for gathers, out again) to save one collective's fixed
     latency, which costs far less than the copy at that size. ``None`` buckets every tensor.
 
-    Reads: COLLECTIVE meta (per-parameter collectives have a non-empty ``params`` list), the
+    Reads: COLLECTIVE meta (per-parameter collectives have a non-empty ``params`` list),
+    MODEL_PARALLEL / PLAN_PLACEMENT, the
     ``div`` before each gradient collective, node.meta["val"]. Writes: per bucket one ``cat`` of
     the flattened inputs, one division, one collective + ``wait_tensor`` (BUCKET meta = bucket
     index), and per member a slice + view of the result replacing the member's wait; the
     per-member collectives are erased. Buckets follow graph order (gradient production order),
     the first one small so communication starts early, and never merge collectives that depend
-    on each other. A bucket holds one dtype.
+    on each other. A bucket holds one dtype. A tensor-parallel plan's summing all_reduces
+    (MODEL_PARALLEL: DTensor's reductions of Partial values, e.g. sequence parallelism's norm
+    gradients) are bucketed the same way within their own group (``_bucket_plan_all_reduces``);
+    the merged ones keep MODEL_PARALLEL and PLAN_PLACEMENT.
     """
     graph = gm.graph
     cap, first_cap = int(bucket_cap_mb * MB), int(first_bucket_cap_mb * MB)
@@ -146,6 +161,7 @@ def bucket_collectives(
             for bucket in _buckets(members, cap, first_cap, _dependency_check(graph, members)):
                 merge(graph, bucket, index)
                 index += 1
+    index = _bucket_plan_all_reduces(graph, cap, first_cap, own_cap, index)
     for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
         gathers = [m for m in _members(graph, c10d.all_gather_into_tensor.default, own_cap)
                    if m.issue.meta.get(meta.REGION) == region]
@@ -156,6 +172,33 @@ def bucket_collectives(
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _bucket_plan_all_reduces(graph: fx.Graph, cap: int, first_cap: int, own_cap: int | None,
+                             index: int) -> int:
+    """A tensor-parallel plan's all_reduces (DTensor's, each on the plan's group) merged like
+    gradients, per group: those that neither read another's result nor have a reader before
+    the bucket is issued (the bucket goes where its last member was). Returns the next index."""
+    for members in _by_dtype(_members(graph, c10d.all_reduce.default, own_cap, plan=True)):
+        reads = _dependency_check(graph, members)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+
+        def blocked(m: _Member, others: list[_Member]) -> bool:
+            return reads(m, others) or any(order[u] < order[m.issue] for o in others
+                                           for u in o.wait.users)
+
+        for bucket in _buckets(members, cap, first_cap, blocked):
+            if len(bucket) > 1:
+                plan_meta = {k: bucket[-1].issue.meta[k] for k in
+                             (meta.MODEL_PARALLEL, meta.PLAN_PLACEMENT) if k in bucket[-1].issue.meta}
+                _merge_all_reduce(graph, bucket, index)
+                for n in graph.nodes:  # the bucket's all_reduce and wait
+                    if n.meta.get(meta.BUCKET) == index and meta.ROLE in n.meta:
+                        n.meta.update(plan_meta)
+                        if n.target is c10d.wait_tensor.default:
+                            n.meta.pop(meta.PLAN_PLACEMENT, None)  # on the issue node only
+                index += 1
+    return index
 
 
 def _flat(sources: list, shapes: list, dim: int):

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import cache, compile_log, guards, saving
+from . import cache, compile_log, guards, optimizer_state, saving, shared_compile
 from .accumulation import KeptGradients
 from .consistency import (
     CACHED,
@@ -81,7 +81,8 @@ class CompiledStep:
         self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory
         self.cache_dir = cache_dir
         self.mesh = mesh  # None: the 1-D mesh over the default process group
-        # Every program compiled so far, in compile order. Every rank compiles together, so
+        # Every program compiled so far, in compile order. Every rank compiles together (or
+        # receives the program the rank that built it sends: shared_compile.py), so
         # program k exists on every rank and communicates the same on all of them (the per-call
         # agreement relies on it).
         self._programs: list[CompiledGraph] = []
@@ -141,7 +142,7 @@ class CompiledStep:
                 with communication_failures("the per-call agreement between ranks"):
                     choice = agree_on_call(CACHED if fits else COMPILE, batch, group, fits,
                                            len(self._programs))
-        entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
+        entry = self._programs[choice] if choice is not None else _compile(self, sa, mesh, key)
         with torch.no_grad():
             out = entry(sa, dp_mesh, hparams, self._kept.grads)
         run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
@@ -151,15 +152,16 @@ class CompiledStep:
         """Build the program (or load it from the disk cache), check that every rank has the
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
-        why_again = _why_again(self, key)
+        why_again = _why_again(self, key, sa)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
             disk, stored = cache.lookup(_disk_cache(self), sa, dynamic, group, self.check_ranks,
                                         fn=self.fn, options=_cache_options(self))
+        received = None
         try:
-            refuse_bound(sa.module)
-            ready = stored if stored is not None else self._build(sa, mesh, key, dynamic, why)
+            ready, received = _obtain(self, sa, mesh, group, stored,
+                                      lambda: self._build(sa, mesh, key, dynamic, why), dynamic)
             description = describe_program(sa, ready.graph, ready.traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
@@ -173,7 +175,7 @@ class CompiledStep:
                              ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
         if stored is None and disk is not None:
-            cache.save(*disk, sa, self.fn, entry, ready, entry_summary(entry))
+            _save(self, disk, received, sa, entry, ready)
         return entry
 
     def _install(self, sa: StepArgs, mesh, ready: "_Ready") -> CompiledGraph:
@@ -195,7 +197,7 @@ class CompiledStep:
 
     def _build(self, sa: StepArgs, mesh, key, dynamic, why) -> "_Ready":
         if self._last_key is not None:
-            info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, _why))
+            info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, sa, _why))
         if why:
             info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         program = build_program(self.fn, sa, build_options(
@@ -204,11 +206,47 @@ class CompiledStep:
                       describe_graph(program.gm), len(program.gm.graph.nodes))
 
 
-def _why_again(step: CompiledStep, key: tuple, static=compile_log.reason) -> str | None:
+def _compile(step: CompiledStep, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
+    """Compile a new program; Adam's and AdamW's first-step state made first, so that their
+    first call compiles the steady program (optimizer_state.py): one compile, not two."""
+    with optimizer_state.made_before_recording(sa.optimizers, bool(step._kept.mode)):
+        return step._compile(sa, mesh, key)
+
+
+def _obtain(step: CompiledStep, sa: StepArgs, mesh, group, stored, build: Callable, dynamic):
+    """(the program: loaded from the disk cache, built here or received from the rank that
+    built it, the StoredProgram received or None); see shared_compile.py."""
+    if stored is None and step.check_ranks and dist.get_world_size(group) > 1:
+        return shared_compile.build_jointly(step, sa, mesh, group, dynamic,
+                                            check=lambda: refuse_bound(sa.module), build=build,
+                                            fits=lambda ready: _fits(step, ready, sa))
+    refuse_bound(sa.module)
+    return (stored if stored is not None else build()), None
+
+
+def _save(step: CompiledStep, disk: tuple[str, str], received, sa: StepArgs, entry, ready) -> None:
+    """Store a program built here, or received from the rank that built it, on disk."""
+    if received is not None:
+        shared_compile.save(disk, received)
+    else:
+        cache.save(*disk, sa, step.fn, entry, ready, entry_summary(entry))
+
+
+def _fits(step: CompiledStep, ready: "_Ready", sa: StepArgs) -> bool:
+    """Does a program built on another rank serve this rank's inputs?"""
+    probe = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, None, {},
+                          values=guards.bind(ready.traced, step.fn, sa))
+    return probe.guards_hold(graph_inputs(sa), lifted_hparams(sa))
+
+
+def _why_again(step: CompiledStep, key: tuple, sa: StepArgs,
+               static=compile_log.reason) -> str | None:
     """Why ``step`` compiles again for the static ``key``: a Python value its newest program for
-    ``key`` read changed (guards.py; numbers among them become inputs), or what changed in the
-    static key (``static(old key, key)``)."""
+    ``key`` read changed (guards.py; numbers among them become inputs), a guard of that program
+    the call's inputs fail (compile_log.guard_miss), or what changed in the static key
+    (``static(old key, key)``)."""
     return (guards.recompile_reason(step._programs, key, step._lifts)
+            or compile_log.guard_miss(step._programs, key, sa)
             or static(step._last_key, key))
 
 
@@ -269,8 +307,8 @@ def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> N
         return
     place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
                 mode.param_init_fn, torch.device(mesh.device_type))
-    if not has_plan(sa.module):  # model(x), generate(), load_state_dict, saving outside the step
-        attach_eager_use(sa.module, mesh)
+    attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
+    if not has_plan(sa.module):  # a plan's state dicts keep DTensors, as eager TP's do
         saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
 
 
@@ -338,7 +376,8 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     runnable = program.runnable
     created = sorted({k for _, k in program.final_traced.new_state_keys})
     notes = {"optimizer state": f"0 B so far: the optimizer creates its state ({', '.join(created)}) "
-             f"on its first step; the step then compiles once more with it"} if created else None
+             f"on its first step; the compiled step makes Adam's and AdamW's before recording (one "
+             f"compile), other optimizers' in a first program of their own"} if created else None
     summary = summarize(program.gm, compile_times=program.seconds, notes=notes,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from spmd_compiler.passes import meta
-from spmd_compiler.passes.expand import mesh_dim_of
+from spmd_compiler.passes.expand import collective_dim
 
 from .errors import SPMDError
 from .tracing import StepArgs
@@ -169,13 +169,15 @@ def describe_graph(gm: fx.GraphModule) -> dict[str, Any]:
     sizes, and a size-dependent branch or a size the trace specializes (a length whose
     shifted targets are one long) gives that rank another computation, as each DDP rank runs its
     own Python; what must not differ is the sequence of collectives, and it does not depend on
-    the sizes the program holds as symbols. Each collective is named with the mesh dim it runs
-    on (its group differs from rank to rank on a mesh of several dims; its dim must not).
+    the sizes the program holds as symbols. Each collective, the data-parallel ones and a
+    tensor-parallel plan's, is named with the mesh dim it runs on (its group differs from rank
+    to rank on a mesh of several dims; its dim must not).
     """
     collectives = [
         (str(n.target), repr(tuple(n.meta["val"].shape)) if hasattr(n.meta.get("val"), "shape") else "()",
-         n.meta.get(meta.BUCKET), mesh_dim_of(gm, n))
+         n.meta.get(meta.BUCKET), collective_dim(gm, n))
         for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
+        or meta.PLAN_PLACEMENT in n.meta  # a tensor-parallel plan's (issue nodes only)
     ]
     extensions = gm.meta.get(meta.GATHER_EXTENSIONS)
     return {"collective sequence": collectives,

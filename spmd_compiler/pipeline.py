@@ -32,6 +32,7 @@ import torch.distributed as dist
 from spmd_compiler.passes import batch_dim, meta
 from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.cleanup import eliminate_dead_code
+from spmd_compiler.passes.dedup_collectives import deduplicate_collectives
 from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
 from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
@@ -212,11 +213,15 @@ def _bucketing(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
 
 def _schedule(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
     """Under Inductor the fused optimizer kernels run outside the compiled regions, so each one
-    splits the graph: fully_shard's updates then stay after the backward."""
+    splits the graph: fully_shard's updates then stay after the backward. A tensor-parallel
+    plan's waits (which the schedule leaves where they were recorded) are then sunk to their
+    first use, as replicate's overlap stage does."""
     mode = b.options.mode
-    return schedule_for_memory(gm, prefetch_cap_mb=mode.prefetch_cap_mb,
-                               reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
-                               updates_in_backward=b.options.backend == "eager")
+    gm = schedule_for_memory(gm, prefetch_cap_mb=mode.prefetch_cap_mb,
+                             reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
+                             updates_in_backward=b.options.backend == "eager")
+    # the schedule orders data parallelism's collectives; a tensor-parallel plan's wait where used
+    return sink_waits(gm, only=lambda w: meta.MODEL_PARALLEL in w.meta) if mode.overlap else gm
 
 
 def _lower(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
@@ -245,6 +250,8 @@ STAGES: list[Stage] = [
           "(passes/grad_outputs.py)", when="keep_grads", applies=lambda o: o.mode.keep_grads),
     Stage("dead_code", lambda gm, b: eliminate_dead_code(gm), "dead code removed "
           "(passes/cleanup.py)", optional=True),
+    Stage("dedup", lambda gm, b: deduplicate_collectives(gm), "a value reduced twice on one "
+          "group reduced once (passes/dedup_collectives.py)", optional=True),
     Stage("bucketing", _bucketing, "gradient collectives bucketed (passes/bucketing.py)",
           when="bucket_cap_mb", applies=lambda o: bool(o.mode.bucket_cap_mb), optional=True),
     Stage("split_optimizer", lambda gm, b: split_optimizer_by_bucket(gm), "the optimizer split "

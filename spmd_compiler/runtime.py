@@ -173,6 +173,8 @@ def ensure_padded(t: Any, mesh: DeviceMesh, param: Any) -> Any:
     state follows a tensor-parallel plan is its parameter's to say: a loaded state carries no
     mark of its own.
     """
+    if getattr(param, "_spmd_plan", None) is not None and isinstance(t, DTensor) and t.dim() > 0:
+        return _planned_state_placed(t, param, mesh)
     if not is_sharded(t) or t.dim() == 0 or tp.plan_of(t, param) is not None:
         return t
     layout = layout_for(t, True, shard_size(mesh))
@@ -187,6 +189,30 @@ def ensure_padded(t: Any, mesh: DeviceMesh, param: Any) -> Any:
     new = DTensor.from_local(buffer[:valid], mesh, param_placements(mesh, True), run_check=False,
                              shape=t.shape, stride=t.stride())
     return _attach(new, buffer)
+
+
+def _planned_state_placed(t: DTensor, param: DTensor, mesh: DeviceMesh) -> DTensor:
+    """A state DTensor of a placed tensor-parallel parameter, placed like it on the padded
+    buffer the graph binds: one still on the plan's mesh (made by eager TP before the first
+    compiled call, or loaded into it) gets the data-parallel dims stacked on (its local tensor
+    is the whole tensor-parallel shard; the first data-parallel rank's values win, as for the
+    parameter); one on the whole mesh without the buffer (a checkpoint load made it) gets one."""
+    plan = param._spmd_plan
+    sharded = tp.dp_sharded(param, mesh)
+    layout = Layout(plan.local_shape, sharded, shard_size(mesh))
+    buffer, local = local_buffer(t), local_tensor(t)
+    if t.device_mesh.ndim == plan.spec.mesh.ndim:
+        broadcast_from_first([local.detach()], mesh)
+        local, buffer = padded_rows(local, layout, mesh)
+    elif tuple(buffer.shape) == layout.padded_shape() and (
+            local.numel() == 0 or buffer.data_ptr() == local.data_ptr()):
+        return t
+    else:
+        buffer = local.new_zeros(layout.padded_shape())
+        valid = layout.valid_rows(mesh.get_local_rank(shard_dim(mesh))) if sharded else layout.rows
+        buffer[:valid].copy_(local)
+        local = buffer[:valid]
+    return _attach(tp.planned_dtensor(local, plan, mesh, sharded), buffer)
 
 
 def _attach(dt: DTensor, buffer: torch.Tensor) -> DTensor:
@@ -504,6 +530,8 @@ def _placed(seen: dict, p: torch.Tensor) -> torch.Tensor:
 
 def place_state_tensor(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
     """An optimizer state value placed like ``param`` when it has the parameter's shape."""
+    if isinstance(v, DTensor) and getattr(param, "_spmd_plan", None) is not None and v.dim() > 0:
+        return _planned_state_placed(v, param, mesh)
     if not isinstance(v, torch.Tensor) or isinstance(v, DTensor):
         return v
     if isinstance(param, DTensor) and tuple(v.shape) == tuple(param.shape) and v.dim() > 0:

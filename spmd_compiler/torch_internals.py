@@ -375,6 +375,56 @@ def user_line_here() -> str:
     return "<unknown location>"
 
 
+def _ours_or_torch(filename: str) -> bool:
+    here = os.path.dirname(__file__)
+    return filename.startswith((os.path.dirname(torch.__file__), here,
+                                os.path.join(os.path.dirname(here), "passes"),
+                                os.path.dirname(contextlib.__file__)))
+
+
+@contextlib.contextmanager
+def rank_queries():
+    """Yields a list that collects, while the block runs, the source line of every call the
+    user's code makes to ``torch.distributed.get_rank`` or to a DeviceMesh's ``get_rank``,
+    ``get_local_rank`` or ``get_coordinate`` (torch's own calls and ours are left out): a step
+    that asks for its rank may record another program on every rank. A name bound before the
+    block (``from torch.distributed import get_rank``) is not seen."""
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    seen: list[str] = []
+
+    def watched(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            caller = sys._getframe(1)
+            if not _ours_or_torch(caller.f_code.co_filename):
+                seen.append(f'File "{caller.f_code.co_filename}", line {caller.f_lineno}')
+            return fn(*args, **kwargs)
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for owner in (torch.distributed, distributed_c10d):
+            stack.enter_context(_swapped(owner, "get_rank", watched(distributed_c10d.get_rank)))
+        for name in ("get_rank", "get_local_rank", "get_coordinate"):
+            stack.enter_context(_swapped(DeviceMesh, name, watched(getattr(DeviceMesh, name))))
+        yield seen
+
+
+def default_store():
+    """The default process group's key-value store (its rendezvous store)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def init_adam_state(opt: torch.optim.Optimizer, group: dict) -> None:
+    """Adam's (and AdamW's) own lazy state initialisation (``Adam._init_group``) for the
+    parameters of ``group`` that have a gradient, as its first ``step()`` makes it."""
+    lists: list[list] = [[] for _ in range(6)]
+    opt._init_group(group, *lists)
+
+
 @contextlib.contextmanager
 def tag_regions(key: str, forward, backward):
     """While recording: nodes recorded before and inside ``torch.autograd.backward`` (what
