@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from . import meta
@@ -25,16 +26,20 @@ class _Member:
     source: fx.Node  # the tensor before the division by the world size (or the shard, for gathers)
     scale: fx.Node | None  # the div node, erased with the collective
     nbytes: int
+    whole: int  # bytes of the larger of its input and output (a gather's output is world x)
 
 
-def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Member]:
-    """The per-parameter collectives of ``target`` that may join a bucket: those whose input and
-    output are smaller than ``own_cap`` bytes (larger ones keep their own collective)."""
+def _members(graph: fx.Graph, target, plan: bool = False) -> list[_Member]:
+    """The per-parameter collectives of ``target`` that may join a bucket; with ``plan``, a
+    tensor-parallel plan's summing collectives (MODEL_PARALLEL) instead."""
     out = []
     for node in graph.nodes:
-        if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params") \
-                or meta.BUCKET in node.meta or meta.GATHERED in node.meta:
+        if node.target is not target or meta.BUCKET in node.meta or meta.GATHERED in node.meta:
             continue  # a bucket already, or a gather of what all-gather extensions computed
+        if (not plan and not (node.meta.get(meta.COLLECTIVE) or {}).get("params")) or (
+                plan and (meta.MODEL_PARALLEL not in node.meta or node.args[1] != "sum"
+                          or not _static(node.args[0]))):
+            continue  # (a plan's reduction of an activation: its shape follows the batch)
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         if len(waits) != 1 or len(node.users) != 1:
             continue
@@ -45,10 +50,31 @@ def _members(graph: fx.Graph, target, own_cap: int | None = None) -> list[_Membe
         if nbytes is None:
             continue
         whole = max(nbytes, tensor_bytes(waits[0].meta.get("val")) or 0)  # a gather's output
-        if own_cap is not None and whole >= own_cap:
-            continue
-        out.append(_Member(node, waits[0], source, scale, nbytes))
+        out.append(_Member(node, waits[0], source, scale, nbytes, whole))
     return out
+
+
+def _static(node: fx.Node) -> bool:
+    """Is ``node``'s shape free of symbols (a bucket's views hold plain sizes)?"""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape)
+
+
+def _own_collectives(members: list[_Member], own_cap: int | None, plan) -> set[int]:
+    """Which members keep their own collective: the largest of those of at least ``own_cap``
+    bytes (copying them into a bucket costs more than the collective it saves), as long as the
+    step still issues no more collectives than bucketing every member would (``plan(members)``
+    gives the buckets): the collective count is a budget, spent on the costliest copies."""
+    if own_cap is None:
+        return set()
+    budget = len(plan(members))
+    own: set[int] = set()
+    for i in sorted((i for i, m in enumerate(members) if m.whole >= own_cap),
+                    key=lambda i: -members[i].whole):
+        rest = [m for j, m in enumerate(members) if j not in own and j != i]
+        if len(own) + 1 + len(plan(rest)) <= budget:
+            own.add(i)
+    return own
 
 
 def _by_dtype(members: list[_Member]) -> list[list[_Member]]:
@@ -68,27 +94,41 @@ def _kind(m: _Member) -> tuple:
     return m.issue.args[-1], m.scale.args[1] if m.scale is not None else 1
 
 
-def _buckets(members: list[_Member], cap: int, first_cap: int, depends_on) -> list[list[_Member]]:
-    """Per process group: consecutive members (graph order) up to ``cap`` bytes (``first_cap``
-    for that group's first bucket); a member whose input depends on an earlier member's result
-    starts a new bucket."""
+def _buckets(members: list[_Member], cap: int, first_cap: int, depends_on,
+             strict: bool = False) -> list[list[_Member]]:
+    """Per process group: consecutive members (graph order); a bucket closes once it holds at
+    least ``cap`` bytes (``first_cap`` for that group's first bucket), as DDP's reducer assigns
+    buckets, or, ``strict`` (a memory cap), before a member's ``whole`` bytes would take it past
+    ``cap``; a member whose input depends on an earlier member's result starts a new bucket."""
     kinds = list(dict.fromkeys(_kind(m) for m in members))
     if len(kinds) > 1:
         return [b for k in kinds for b in _buckets([m for m in members if _kind(m) == k], cap,
-                                                     first_cap, depends_on)]
+                                                     first_cap, depends_on, strict)]
     buckets: list[list[_Member]] = []
     current: list[_Member] = []
     size = 0
     for m in members:
-        limit = first_cap if not buckets else cap
-        if current and (size + m.nbytes > limit or depends_on(m, current)):
+        if current and (depends_on(m, current) or strict and size + m.whole > cap):
             buckets.append(current)
             current, size = [], 0
         current.append(m)
-        size += m.nbytes
+        size += m.whole if strict else m.nbytes
+        if not strict and size >= (first_cap if not buckets else cap):
+            buckets.append(current)
+            current, size = [], 0
     if current:
         buckets.append(current)
     return buckets
+
+
+def _plan(graph: fx.Graph, members: list[_Member], cap: int, first_cap: int,
+          own_cap: int | None, strict: bool = False) -> list[list[_Member]]:
+    """The buckets of ``members`` (one dtype), in graph order; the members that keep their own
+    collective (see ``_own_collectives``) are in none."""
+    depends_on = _dependency_check(graph, members)
+    plan = lambda ms: _buckets(ms, cap, first_cap, depends_on, strict)  # noqa: E731
+    own = _own_collectives(members, own_cap, plan)
+    return plan([m for i, m in enumerate(members) if i not in own])
 
 
 def _dependency_check(graph: fx.Graph, members: list[_Member]):
@@ -117,45 +157,88 @@ def _numel(node: fx.Node) -> int:
 
 def bucket_collectives(
     gm: fx.GraphModule, *, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
-    own_collective_mb: float | None = 1.0,
+    own_collective_mb: float | None = 1.0, gather_cap_mb: float | None = None,
+    scatter_cap_mb: float | None = None,
 ) -> fx.GraphModule:
     """Merge gradient all_reduces (replicate), gradient reduce_scatters and parameter all_gathers
     (fully_shard) into flat buckets.
 
-    A tensor of at least ``own_collective_mb`` MiB keeps its own collective: merging it would
-    copy its bytes into the bucket (and, for gathers, out again) to save one collective's fixed
-    latency, which costs far less than the copy at that size. ``None`` buckets every tensor.
+    Gradient buckets are assigned as DDP's reducer does: in graph (production) order, a bucket
+    closing once it holds ``bucket_cap_mb`` MiB (``first_bucket_cap_mb`` for the first, so
+    communication starts early). Under fully_shard a bucket is alive as a whole, so memory caps
+    it instead: a gather bucket's gathered bytes stay within ``gather_cap_mb`` (the prefetch
+    cap) and a reduce-scatter bucket's full-size gradient bytes within ``scatter_cap_mb`` (the
+    reduce cap); one tensor larger than its cap is a bucket of its own. Each is the fewest
+    collectives its cap allows, in order of use.
 
-    Reads: COLLECTIVE meta (per-parameter collectives have a non-empty ``params`` list), the
+    A tensor of at least ``own_collective_mb`` MiB keeps its own collective when that does not
+    add a collective: copying it into the bucket (and, for gathers, out again) costs more than
+    the one collective's latency saved (benchmarks/bucket_costs.py measures both; the default
+    is this machine's figure). The largest such tensors go first. ``None`` buckets every tensor.
+
+    Reads: COLLECTIVE meta (per-parameter collectives have a non-empty ``params`` list),
+    MODEL_PARALLEL / PLAN_PLACEMENT, the
     ``div`` before each gradient collective, node.meta["val"]. Writes: per bucket one ``cat`` of
     the flattened inputs, one division, one collective + ``wait_tensor`` (BUCKET meta = bucket
     index), and per member a slice + view of the result replacing the member's wait; the
-    per-member collectives are erased. Buckets follow graph order (gradient production order),
-    the first one small so communication starts early, and never merge collectives that depend
-    on each other. A bucket holds one dtype.
+    per-member collectives are erased. Buckets never merge collectives that depend on each
+    other, nor ones over different process groups or divisors; a bucket holds one dtype. A
+    tensor-parallel plan's summing all_reduces (MODEL_PARALLEL: DTensor's reductions of Partial
+    values, e.g. sequence parallelism's norm gradients) are bucketed the same way within their
+    own group (``_bucket_plan_all_reduces``); the merged ones keep MODEL_PARALLEL and
+    PLAN_PLACEMENT.
     """
     graph = gm.graph
     cap, first_cap = int(bucket_cap_mb * MB), int(first_bucket_cap_mb * MB)
     own_cap = int(own_collective_mb * MB) if own_collective_mb else None
     index = 0
-    for target, merge in (  # reduce-scatters first: hybrid sharding all-reduces their shards
-        (c10d.reduce_scatter_tensor.default, _merge_reduce_scatter),
-        (c10d.all_reduce.default, _merge_all_reduce),
+    for target, merge, memory_cap in (  # reduce-scatters first: hybrid sharding all-reduces them
+        (c10d.reduce_scatter_tensor.default, _merge_reduce_scatter, scatter_cap_mb),
+        (c10d.all_reduce.default, _merge_all_reduce, None),
     ):
-        for members in _by_dtype(_members(graph, target, own_cap)):
-            for bucket in _buckets(members, cap, first_cap, _dependency_check(graph, members)):
+        limits = (int(memory_cap * MB),) * 2 + (True,) if memory_cap else (cap, first_cap, False)
+        for members in _by_dtype(_members(graph, target)):
+            for bucket in _plan(graph, members, *limits[:2], own_cap, limits[2]):
                 merge(graph, bucket, index)
                 index += 1
+    index = _bucket_plan_all_reduces(graph, cap, first_cap, index)
+    limits = (int(gather_cap_mb * MB),) * 2 + (True,) if gather_cap_mb else (cap, cap, False)
     for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
-        gathers = [m for m in _members(graph, c10d.all_gather_into_tensor.default, own_cap)
+        gathers = [m for m in _members(graph, c10d.all_gather_into_tensor.default)
                    if m.issue.meta.get(meta.REGION) == region]
         for members in _by_dtype(gathers):
-            for bucket in _buckets(members, cap, cap, _dependency_check(graph, members)):
+            for bucket in _plan(graph, members, *limits[:2], own_cap, limits[2]):
                 _merge_all_gather(graph, bucket, index)
                 index += 1
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _bucket_plan_all_reduces(graph: fx.Graph, cap: int, first_cap: int, index: int) -> int:
+    """A tensor-parallel plan's all_reduces (DTensor's, each on the plan's group) merged like
+    gradients, per group: those that neither read another's result nor have a reader before
+    the bucket is issued (the bucket goes where its last member was). Returns the next index."""
+    for members in _by_dtype(_members(graph, c10d.all_reduce.default, plan=True)):
+        reads = _dependency_check(graph, members)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+
+        def blocked(m: _Member, others: list[_Member]) -> bool:
+            return reads(m, others) or any(order[u] < order[m.issue] for o in others
+                                           for u in o.wait.users)
+
+        for bucket in _buckets(members, cap, first_cap, blocked):
+            if len(bucket) > 1:
+                plan_meta = {k: bucket[-1].issue.meta[k] for k in
+                             (meta.MODEL_PARALLEL, meta.PLAN_PLACEMENT) if k in bucket[-1].issue.meta}
+                _merge_all_reduce(graph, bucket, index)
+                for n in graph.nodes:  # the bucket's all_reduce and wait
+                    if n.meta.get(meta.BUCKET) == index and meta.ROLE in n.meta:
+                        n.meta.update(plan_meta)
+                        if n.target is c10d.wait_tensor.default:
+                            n.meta.pop(meta.PLAN_PLACEMENT, None)  # on the issue node only
+                index += 1
+    return index
 
 
 def _flat(sources: list, shapes: list, dim: int):

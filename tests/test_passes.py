@@ -13,6 +13,7 @@ from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.collectives import COLLECTIVE_OPS, c10d
 from spmd_compiler.passes.expand import expand_fully_shard
 from spmd_compiler.passes.fully_shard import shard_rows
+from spmd_compiler.passes.identity_views import skip_identity_views
 from spmd_compiler.passes.inplace import gather_into_preallocated, reduce_in_place
 from spmd_compiler.passes.overlap import sink_waits
 from spmd_compiler.passes.rank_check import place_rank_check
@@ -126,8 +127,9 @@ def test_bucketing_merges_gradients_in_production_order_with_a_small_first_bucke
     tr = _traced(opt_cls=torch.optim.Adam)
     gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
     produced = [n.meta[meta.COLLECTIVE]["params"][0] for n in _calls(gm, c10d.all_reduce.default)]
-    # net2's grads (1.1 KiB) fill a tiny first bucket; net1's (6.4 KiB) go to the next.
-    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    # net2's grads (1056 bytes) fill a tiny first bucket, which closes once it holds its cap
+    # (DDP's rule); net1's (6.4 KiB) go to the next.
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1056 / 2**20)
     reduces = _calls(gm, c10d.all_reduce.default)
     assert [r.meta[meta.COLLECTIVE]["params"] for r in reduces] == [produced[:2], produced[2:]]
     assert [r.args[0].meta["val"].numel() for r in reduces] == [8 + 256, 32 + 1600]
@@ -147,14 +149,17 @@ def test_bucketing_fully_shard_packs_shards_per_rank():
 
 @pytest.mark.parametrize("style", ["replicate", "fully_shard"])
 def test_bucketing_leaves_large_tensors_their_own_collective(style):
-    """net1.weight (6.4 KB) is at least own_collective_mb: its collectives are not merged (no
-    copy into a bucket); the three small tensors still share one bucket per collective kind."""
+    """net1.weight (6.4 KB) is at least own_collective_mb, and the caps put it in a bucket of its
+    own anyway: its collectives are not merged (no copy into a bucket); the three small tensors
+    still share one bucket per collective kind."""
     tr = _traced()
     if style == "replicate":
         gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
+        caps = dict(first_bucket_cap_mb=1184 / 2**20)  # net2's grads and net1.bias fill it
     else:
         gm = expand_fully_shard(tr.gm, group_name="g", world_size=WORLD)
-    gm = bucket_collectives(gm, own_collective_mb=4000 / 2**20)
+        caps = dict(gather_cap_mb=6400 / 2**20, scatter_cap_mb=6400 / 2**20)
+    gm = bucket_collectives(gm, own_collective_mb=4000 / 2**20, **caps)
     kinds = ([c10d.all_reduce.default] if style == "replicate"
              else [c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default])
     for kind in kinds:
@@ -167,6 +172,25 @@ def test_bucketing_leaves_large_tensors_their_own_collective(style):
             if n.meta[meta.COLLECTIVE]["params"] == ["net1.weight"]:
                 assert meta.BUCKET not in n.meta
                 assert torch.ops.aten.cat.default not in {a.target for a in n.all_input_nodes}
+    gm.graph.lint()
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_bucketing_keeps_a_large_tensor_apart_only_when_that_adds_no_collective(style):
+    """Under the default caps every tensor fits one bucket: net1.weight, though at least
+    own_collective_mb, joins it (one collective per kind and region, as DDP's reducer)."""
+    tr = _traced()
+    expand = expand_replicate if style == "replicate" else expand_fully_shard
+    gm = bucket_collectives(expand(tr.gm, group_name="g", world_size=WORLD),
+                            own_collective_mb=4000 / 2**20)
+    kinds = ([c10d.all_reduce.default] if style == "replicate"
+             else [c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default])
+    for kind in kinds:
+        per_region = {}
+        for n in _calls(gm, kind):
+            per_region.setdefault(n.meta.get(meta.REGION), []).append(n)
+        assert all(len(nodes) == 1 for nodes in per_region.values()), per_region
+        assert all(meta.BUCKET in n.meta for nodes in per_region.values() for n in nodes)
     gm.graph.lint()
 
 
@@ -233,6 +257,47 @@ def test_rank_check_runs_before_any_collective_or_state_update(model):
     gm.graph.lint()
 
 
+class _Carrier:
+    """Stands in for consistency.RankCheck: the agreement's header rides in an all_reduce."""
+
+    group, length = "g", 18
+
+    @staticmethod
+    def header(agreement, scale, dtype):
+        return torch.zeros(18, dtype=dtype)
+
+    @staticmethod
+    def check(agreement, reduced):
+        pass
+
+
+@pytest.mark.parametrize("model", ["mlp", "batchnorm"])
+def test_rank_check_rides_in_the_first_gradient_bucket(model):
+    """The header joins the bucket's cat; the check follows the bucket's wait, before any other
+    collective or state update. BatchNorm's buffers are broadcast first: no carrier there."""
+    tr = _traced(BatchNormMLP() if model == "batchnorm" else None, momentum=0.9)
+    gm = reduce_in_place(bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=WORLD)))
+    sizes = [int(n.meta["val"].numel()) for n in _calls(gm, c10d.all_reduce_.default)]
+    gm = place_rank_check(gm, _rank_check, _Carrier)
+    if model == "batchnorm":
+        assert _calls(gm, _rank_check) and not _calls(gm, _Carrier.check)
+        assert "agreement carrier" not in gm.meta
+        return
+    assert not _calls(gm, _rank_check)
+    (header,) = _calls(gm, _Carrier.header)
+    (check,) = _calls(gm, _Carrier.check)
+    (cat,) = header.users
+    assert cat.target is torch.ops.aten.cat.default and cat.args[0][-1] is header
+    (bucket,) = _calls(gm, c10d.all_reduce_.default)
+    assert bucket.args[0].args[0] is cat and header.args[1] == WORLD  # divided in place by it
+    assert check.args[1].target is c10d.wait_tensor.default and check.prev is check.args[1]
+    assert gm.meta["agreement carrier"] == ((sizes[0] + 18, "torch.float32"),)
+    nodes = list(gm.graph.nodes)
+    before = nodes[:nodes.index(check)]
+    assert not [n for n in before if n.meta.get(meta.REGION) == meta.Region.OPTIMIZER]
+    gm.graph.lint()
+
+
 def test_bucketing_never_merges_a_collective_with_one_it_depends_on():
     """b's input reads a's averaged result, so a and b must stay separate collectives."""
     graph = torch.fx.Graph()
@@ -264,7 +329,7 @@ def test_split_optimizer_updates_the_first_bucket_first():
     tr = _traced(opt_cls=torch.optim.Adam)
     gm = expand_replicate(tr.gm, group_name="g", world_size=WORLD)
     # net2's gradients (produced first) fill bucket 0, net1's bucket 1.
-    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1056 / 2**20)
     reduces = _calls(gm, c10d.all_reduce.default)
     assert [r.meta[meta.COLLECTIVE]["params"] for r in reduces] == [
         ["net2.bias", "net2.weight"], ["net1.bias", "net1.weight"]]
@@ -299,7 +364,7 @@ def test_split_optimizer_splits_fused_and_foreach_updates_per_bucket(kwargs):
     train_step(model, opt, batch)  # state exists: the steady-state graph
     tr = trace_step(train_step, (model, opt, batch), {})
     gm = expand_replicate(tr.gm, group_name="g", world_size=1)
-    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1100 / 2**20)
+    gm = bucket_collectives(gm, bucket_cap_mb=1.0, first_bucket_cap_mb=1056 / 2**20)
     reduces = _calls(gm, c10d.all_reduce.default)
     assert len(reduces) == 2
 
@@ -361,3 +426,29 @@ def test_gather_into_preallocated_uses_the_out_form_on_an_empty_of_the_gathered_
         assert n.args[1:] == (WORLD, "g")
         assert [u.target for u in n.users] == [c10d.wait_tensor.default]
     gm.graph.lint()
+
+
+def test_identity_views_dropped():
+    """detach, t(t(w)) and a view to its own shape are gone from the lowered graph (the parity
+    tests run graphs lowered so), and a view that is an output stays."""
+    tr = _traced(momentum=0.9)
+    gm = reduce_in_place(bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=1)))
+    aten = torch.ops.aten
+    before = len(gm.graph.nodes)
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    slim = skip_identity_views(torch.fx.GraphModule(gm, graph))
+    assert not _calls(slim, aten.detach.default)
+    assert len(slim.graph.nodes) < before
+    for node in _calls(slim, aten.t.default):
+        assert node.args[0].target is not aten.t.default
+    for node in _calls(slim, aten.view.default) + _calls(slim, aten.reshape.default):
+        assert list(node.args[1]) != list(node.args[0].meta["val"].shape)
+    # an output that is a detach keeps it
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(3)
+    d = g.call_function(aten.detach.default, (x,))
+    g.output((d,))
+    kept = skip_identity_views(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert _calls(kept, aten.detach.default)

@@ -97,15 +97,17 @@ CASES: dict[str, dict] = {
         compiles=2,
     ),
     "tied_weights": dict(model="TiedMLP", optim=("Adam", {"lr": 0.01}), compiles=1),
-    # net1.weight (6.4 KB) keeps its own all_reduce, the rest share a bucket; the optimizer is
-    # the recorded foreach one, split per bucket, not the fused kernel.
+    # net1.weight (6.4 KB) keeps its own all_reduce (the first bucket closes at net2's gradients
+    # and net1.bias), the rest share a bucket; the optimizer is the recorded foreach one, split
+    # per bucket, not the fused kernel.
     "own_collective_and_bucket_unfused": dict(
         model="SimpleMLP", optim=("Adam", {"lr": 0.01, "foreach": True}), compiles=1,
-        mode={"own_collective_mb": 0.004, "fuse_optimizer": False},
+        mode={"own_collective_mb": 0.004, "first_bucket_cap_mb": 1184 / 2**20,
+              "fuse_optimizer": False},
     ),
     "own_collective_and_bucket_fused": dict(
         model="SimpleMLP", optim=("Adam", {"lr": 0.01}), compiles=1,
-        mode={"own_collective_mb": 0.004},
+        mode={"own_collective_mb": 0.004, "first_bucket_cap_mb": 1184 / 2**20},
     ),
 }
 

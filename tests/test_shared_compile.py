@@ -16,6 +16,7 @@ from spmd_compiler import DataParallel, spmd_compile
 from spmd_compiler.consistency import RankMismatchError
 from tests.models import SimpleMLP, train_step
 from tests.multirank import ParityChecker, rank_data
+from tests.steps import step_with
 
 
 def _full(t):
@@ -28,26 +29,23 @@ def _received(step) -> list[bool]:
             for e in step._programs]
 
 
-def batch_branch_step(model, optim, batch):
-    """A step whose computation depends on the local batch size (a guard on it)."""
-    optim.zero_grad()
+def batch_branched(model, batch):
+    """A loss whose computation depends on the local batch size (a guard on it)."""
     x, y = batch
     loss = (model(x) - y).sum()
     if x.shape[0] > 7:
         loss = loss * 2
-    loss.backward()
-    optim.step()
     return loss
 
 
-def rank_branch_step(model, optim, batch):
-    """A step that asks for its rank: its program is not handed to the other ranks."""
-    optim.zero_grad()
+def rank_scaled(model, batch):
+    """A loss that asks for its rank: the step's program is not handed to the other ranks."""
     x, y = batch
-    loss = (model(x) - y).sum() * (1.0 + dist.get_rank())
-    loss.backward()
-    optim.step()
-    return loss
+    return (model(x) - y).sum() * (1.0 + dist.get_rank())
+
+
+batch_branch_step = step_with(batch_branched, name="batch_branch_step")
+rank_branch_step = step_with(rank_scaled, name="rank_branch_step")
 
 
 STEPS = {"train_step": train_step, "batch_branch": batch_branch_step,
