@@ -2,14 +2,17 @@
 lengths against DDP, on Hugging Face GPT-2 built from a tiny GPT2Config (needs ``transformers``;
 nothing is downloaded).
 
-    python -m benchmarks.compile_time [--depths 2,6,12,24] [--steps 40] [--baseline-src DIR]
+    python -m benchmarks.compile_time [--depths 2,6,12,24,48] [--steps 40] [--baseline-src DIR]
 
 - ``explain`` (one process, no process group) of the step at each depth, both modes, with the
   time per compiler stage, and where the trace's time goes (forward / backward / optimizer, and
   the same trace with a static batch size);
-- a real first call at world size 2 (trace, compile, agreement, placement and the step itself),
-  the second call (AdamW's steady-state program), and the first call of a second run that loads
-  both programs from the program cache;
+- a real first call at world size 2 (trace, compile, agreement, placement and the step itself;
+  one rank compiles, the other receives the program), the second call, with every rank's CPU
+  seconds, and the first call of a second run that loads the program from the program cache;
+- the figures the compile-time goals name: the first call at each depth, the cost of one more
+  layer, AdamW's first two calls against one compile, and the CPU seconds of the first call
+  summed over the ranks against one rank's;
 - 40 steps whose sequence lengths every rank draws on its own (each batch padded to its own
   longest sequence, 8..64), timed with every compile, against DDP, with the final parameters'
   largest difference from DDP's.
@@ -83,6 +86,26 @@ def padded_length(step: int, rank: int) -> int:
 # can put another spmd_compiler first on the path)
 
 
+_STAMPS: list[float] = [0.0] * 4  # when the recording of _timed_step reached each part
+
+
+def _stamp(k: int) -> None:
+    """Outside the step's own state (the recording refuses a step that changes its state)."""
+    _STAMPS[k] = time.perf_counter()
+
+
+def _timed_step(model, optim, ids):
+    _stamp(0)
+    optim.zero_grad()
+    loss = model(ids, labels=ids).loss
+    _stamp(1)
+    loss.backward()
+    _stamp(2)
+    optim.step()
+    _stamp(3)
+    return loss
+
+
 def worker_explain(depth: int, mode: str, split: bool) -> dict:
     from spmd_compiler import DataParallel
     from spmd_compiler.api import explain
@@ -96,24 +119,13 @@ def worker_explain(depth: int, mode: str, split: bool) -> dict:
     if split:  # where the trace's time goes, on a warm process
         from spmd_compiler.tracing import trace_step
 
-        parts: dict[str, float] = {}
-
-        def timed_step(model, optim, ids):
-            t0 = time.perf_counter()
-            optim.zero_grad()
-            loss = model(ids, labels=ids).loss
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            optim.step()
-            parts.update(forward=t1 - t0, backward=t2 - t1, optimizer=time.perf_counter() - t2)
-            return loss
-
         for batch_dim, name in ((0, "symbolic batch"), (None, "static batch")):
             model, opt = build(depth)
             start = time.perf_counter()
-            trace_step(timed_step, (model, opt, ids), {}, batch_dim, fuse_optimizer=True)
-            out[name] = dict(total=time.perf_counter() - start, **parts)
+            trace_step(_timed_step, (model, opt, ids), {}, batch_dim, fuse_optimizer=True)
+            t = _STAMPS
+            out[name] = dict(total=time.perf_counter() - start, forward=t[1] - t[0],
+                             backward=t[2] - t[1], optimizer=t[3] - t[2])
     return out
 
 
@@ -125,8 +137,7 @@ def _rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = (_first_calls if job["kind"] == "first calls" else _lengths_run)(rank, job)
-    if rank == 0:
-        queue.put(result)
+    queue.put((rank, result))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # interpreter teardown with gloo's threads alive can abort; nothing is left
@@ -201,7 +212,10 @@ def worker_ranks(job: dict) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_rank_main, args=(2, port, job, queue), nprocs=2, start_method="spawn")
-    return queue.get()
+    results = sorted(queue.get() for _ in range(2))
+    out = results[0][1]  # rank 0's, with every rank's CPU seconds per call
+    out["cpu_by_rank"] = [r.get("cpu") for _, r in results]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,9 +356,10 @@ def markdown(res: dict, cfg: dict) -> str:
                       f"{_fmt(v['backward'], 2)} | {_fmt(v['optimizer'], 2)} |" for k, v in split]
     lines += ["", "## First calls at world size 2, and the program cache", "",
               "Seconds per call on rank 0 (2 ranks, one core each), CPU seconds of rank 0 in "
-              "parentheses. Call 1 compiles the program that creates AdamW's state, call 2 the "
-              "steady one, call 3 runs. The second run is a new pair of processes with the same "
-              "`cache_dir`: both programs load from disk.", "",
+              "parentheses. Call 1 compiles (rank 0 builds the program, rank 1 receives it; "
+              "AdamW's state is made before recording, so it is the steady program), calls 2 and "
+              "3 run it. The second run is a new pair of processes with the same `cache_dir`: "
+              "the program loads from disk.", "",
               "| depth | mode | run 1: call 1 | call 2 | call 3 | run 2 (cache): call 1 | call 2 | "
               "call 3 | loaded |", "|---|---|---|---|---|---|---|---|---|"]
     for d in depths:
@@ -366,6 +381,7 @@ def markdown(res: dict, cfg: dict) -> str:
                 calls = [f"{w:.2f} ({c:.2f})" for w, c in zip(b["calls"], b["cpu"])] if b else ["-"] * 3
                 calls += [f"{w:.2f} ({c:.2f})" for w, c in zip(a["calls"], a["cpu"])] if a else ["-"] * 3
                 lines.append(f"| {d} | {m} | " + " | ".join(calls) + " |")
+    lines += goals(res, depths)
     lines += ["", "## Padding-per-batch lengths against DDP", "",
               f"{cfg['steps']} steps of the depth-2 model; every rank pads each of its batches to "
               "its own longest sequence, so lengths change every step and differ across ranks "
@@ -388,9 +404,53 @@ def markdown(res: dict, cfg: dict) -> str:
     return "\n".join(lines)
 
 
+def goals(res: dict, depths: list[int]) -> list[str]:
+    """The figures the compile-time goals name, from the measurements above."""
+    lines = ["", "## The goals' figures", "",
+             "| figure | replicate | fully_shard | goal |", "|---|---|---|---|"]
+
+    def row(name, goal, fn):
+        cells = []
+        for m in ("replicate", "fully_shard"):
+            try:
+                cells.append(fn(m))
+            except (KeyError, TypeError, IndexError, ZeroDivisionError):
+                cells.append("-")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {goal} |")
+
+    def first(d, m):
+        return (res["first_calls"][f"{d}/{m}"] or {}).get("first run")
+
+    for d, goal in ((24, "3 s"), (48, "4 s")):
+        if d in depths:
+            row(f"{d} layers: first call, s (CPU s, rank 0)", goal,
+                lambda m, d=d: f"{first(d, m)['calls'][0]:.2f} ({first(d, m)['cpu'][0]:.2f})")
+    if len(depths) > 1:
+        a, b = sorted(depths)[-2:]
+
+        def per_layer(m):
+            lo, hi = res["explain"][f"after/{a}/{m}"], res["explain"][f"after/{b}/{m}"]
+            return (f"{1e3 * (hi['seconds'] - lo['seconds']) / (b - a):.0f} "
+                    f"({1e3 * (hi['cpu'] - lo['cpu']) / (b - a):.0f})")
+
+        row(f"one more layer, ms (CPU ms): compile at {b} minus at {a} layers, per layer",
+            "50 ms", per_layer)
+    for d in depths:
+        row(f"{d} layers: AdamW's first two calls at world size 2 / one compile (explain, one "
+            f"process), wall (CPU)", "1.2",
+            lambda m, d=d: "{:.2f} ({:.2f})".format(
+                sum(first(d, m)["calls"][:2]) / res["explain"][f"after/{d}/{m}"]["seconds"],
+                sum(first(d, m)["cpu"][:2]) / res["explain"][f"after/{d}/{m}"]["cpu"]))
+        row(f"{d} layers: CPU s of call 1 summed over the 2 ranks / rank 0's", "1.3",
+            lambda m, d=d: "{:.2f} ({:.2f} / {:.2f})".format(
+                sum(c[0] for c in first(d, m)["cpu_by_rank"]) / first(d, m)["cpu_by_rank"][0][0],
+                sum(c[0] for c in first(d, m)["cpu_by_rank"]), first(d, m)["cpu_by_rank"][0][0]))
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", default="2,6,12,24")
+    parser.add_argument("--depths", default="2,6,12,24,48")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--baseline-src", default=None)
     parser.add_argument("--rounds", type=int, default=3, help="explain runs per figure (fastest kept)")

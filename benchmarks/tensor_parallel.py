@@ -1,7 +1,7 @@
 """Tensor parallelism: the compiled step against eager DTensor TP (2 ranks) and FSDP2 + TP (2 x 2),
 and seed 000's timing harness on a small width-sharded ConvNeXt.
 
-    python -m benchmarks.tensor_parallel [--steps 20]
+    python -m benchmarks.tensor_parallel [--steps 20] [--jobs mlp,transformer_sp,...]
 
 Every job runs on fresh gloo ranks on 127.0.0.1 with one thread each; prints one line per job:
 median step time (ms), collectives per step (the compiled graph's; CommDebugMode's count for the
@@ -198,17 +198,29 @@ def _worker(rank: int, world: int, port: int, job: str, steps: int, queue) -> No
         dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    """A port nobody listens on now (other jobs on the machine may hold fixed ones)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--jobs", default=None, help="comma-separated subset of the jobs")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()}")
     jobs = [("mlp", 2), ("transformer", 2), ("transformer_sp", 2), ("dp_tp:mlp", 4),
             ("convnext", 2)]
+    if args.jobs:
+        jobs = [j for j in jobs if j[0] in args.jobs.split(",")]
     ctx = mp.get_context("spawn")
-    for k, (job, world) in enumerate(jobs):
+    for job, world in jobs:
         queue = ctx.Queue()
-        mp.start_processes(_worker, args=(world, 29600 + k, job, args.steps, queue), nprocs=world,
+        mp.start_processes(_worker, args=(world, _free_port(), job, args.steps, queue), nprocs=world,
                            start_method="spawn")
         for line in queue.get():
             print(line, flush=True)

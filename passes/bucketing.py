@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from . import meta
@@ -28,13 +29,17 @@ class _Member:
     whole: int  # bytes of the larger of its input and output (a gather's output is world x)
 
 
-def _members(graph: fx.Graph, target) -> list[_Member]:
-    """The per-parameter collectives of ``target`` that may join a bucket."""
+def _members(graph: fx.Graph, target, plan: bool = False) -> list[_Member]:
+    """The per-parameter collectives of ``target`` that may join a bucket; with ``plan``, a
+    tensor-parallel plan's summing collectives (MODEL_PARALLEL) instead."""
     out = []
     for node in graph.nodes:
-        if node.target is not target or not (node.meta.get(meta.COLLECTIVE) or {}).get("params") \
-                or meta.BUCKET in node.meta or meta.GATHERED in node.meta:
+        if node.target is not target or meta.BUCKET in node.meta or meta.GATHERED in node.meta:
             continue  # a bucket already, or a gather of what all-gather extensions computed
+        if (not plan and not (node.meta.get(meta.COLLECTIVE) or {}).get("params")) or (
+                plan and (meta.MODEL_PARALLEL not in node.meta or node.args[1] != "sum"
+                          or not _static(node.args[0]))):
+            continue  # (a plan's reduction of an activation: its shape follows the batch)
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         if len(waits) != 1 or len(node.users) != 1:
             continue
@@ -47,6 +52,12 @@ def _members(graph: fx.Graph, target) -> list[_Member]:
         whole = max(nbytes, tensor_bytes(waits[0].meta.get("val")) or 0)  # a gather's output
         out.append(_Member(node, waits[0], source, scale, nbytes, whole))
     return out
+
+
+def _static(node: fx.Node) -> bool:
+    """Is ``node``'s shape free of symbols (a bucket's views hold plain sizes)?"""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape)
 
 
 def _own_collectives(members: list[_Member], own_cap: int | None, plan) -> set[int]:
@@ -165,12 +176,17 @@ def bucket_collectives(
     the one collective's latency saved (benchmarks/bucket_costs.py measures both; the default
     is this machine's figure). The largest such tensors go first. ``None`` buckets every tensor.
 
-    Reads: COLLECTIVE meta (per-parameter collectives have a non-empty ``params`` list), the
+    Reads: COLLECTIVE meta (per-parameter collectives have a non-empty ``params`` list),
+    MODEL_PARALLEL / PLAN_PLACEMENT, the
     ``div`` before each gradient collective, node.meta["val"]. Writes: per bucket one ``cat`` of
     the flattened inputs, one division, one collective + ``wait_tensor`` (BUCKET meta = bucket
     index), and per member a slice + view of the result replacing the member's wait; the
     per-member collectives are erased. Buckets never merge collectives that depend on each
-    other, nor ones over different process groups or divisors; a bucket holds one dtype.
+    other, nor ones over different process groups or divisors; a bucket holds one dtype. A
+    tensor-parallel plan's summing all_reduces (MODEL_PARALLEL: DTensor's reductions of Partial
+    values, e.g. sequence parallelism's norm gradients) are bucketed the same way within their
+    own group (``_bucket_plan_all_reduces``); the merged ones keep MODEL_PARALLEL and
+    PLAN_PLACEMENT.
     """
     graph = gm.graph
     cap, first_cap = int(bucket_cap_mb * MB), int(first_bucket_cap_mb * MB)
@@ -185,6 +201,7 @@ def bucket_collectives(
             for bucket in _plan(graph, members, *limits[:2], own_cap, limits[2]):
                 merge(graph, bucket, index)
                 index += 1
+    index = _bucket_plan_all_reduces(graph, cap, first_cap, index)
     limits = (int(gather_cap_mb * MB),) * 2 + (True,) if gather_cap_mb else (cap, cap, False)
     for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
         gathers = [m for m in _members(graph, c10d.all_gather_into_tensor.default)
@@ -196,6 +213,32 @@ def bucket_collectives(
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _bucket_plan_all_reduces(graph: fx.Graph, cap: int, first_cap: int, index: int) -> int:
+    """A tensor-parallel plan's all_reduces (DTensor's, each on the plan's group) merged like
+    gradients, per group: those that neither read another's result nor have a reader before
+    the bucket is issued (the bucket goes where its last member was). Returns the next index."""
+    for members in _by_dtype(_members(graph, c10d.all_reduce.default, plan=True)):
+        reads = _dependency_check(graph, members)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+
+        def blocked(m: _Member, others: list[_Member]) -> bool:
+            return reads(m, others) or any(order[u] < order[m.issue] for o in others
+                                           for u in o.wait.users)
+
+        for bucket in _buckets(members, cap, first_cap, blocked):
+            if len(bucket) > 1:
+                plan_meta = {k: bucket[-1].issue.meta[k] for k in
+                             (meta.MODEL_PARALLEL, meta.PLAN_PLACEMENT) if k in bucket[-1].issue.meta}
+                _merge_all_reduce(graph, bucket, index)
+                for n in graph.nodes:  # the bucket's all_reduce and wait
+                    if n.meta.get(meta.BUCKET) == index and meta.ROLE in n.meta:
+                        n.meta.update(plan_meta)
+                        if n.target is c10d.wait_tensor.default:
+                            n.meta.pop(meta.PLAN_PLACEMENT, None)  # on the issue node only
+                index += 1
+    return index
 
 
 def _flat(sources: list, shapes: list, dim: int):

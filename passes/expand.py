@@ -181,6 +181,17 @@ def mesh_dim_of(gm: fx.GraphModule, collective: fx.Node) -> int | None:
     return names.index(group) if group in names else None
 
 
+def collective_dim(gm: fx.GraphModule, collective: fx.Node) -> str | None:
+    """The mesh dim a collective issue node runs on, named alike on every rank (its group is
+    not): ``mesh dim <d>`` for the data-parallel dim ``d``, ``plan dim <name>`` for a
+    tensor-parallel plan's (MODEL_PARALLEL, ``gm.meta[PLAN_DIMS]``); None if unknown."""
+    group = collective.meta.get(meta.MODEL_PARALLEL)
+    if group is not None:
+        return f"plan dim {(gm.meta.get(meta.PLAN_DIMS) or {}).get(group, '?')}"
+    d = mesh_dim_of(gm, collective)
+    return None if d is None else f"mesh dim {d}"
+
+
 def expand_replicate(
     gm: fx.GraphModule, *, group_name: str, world_size: int, broadcast_buffers: bool = True,
     reduce_dtype: torch.dtype | None = None, divide_after_sum: bool = False,

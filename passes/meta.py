@@ -42,6 +42,9 @@ INPUT_DYNAMIC_DIMS = "spmd_input_dynamic_dims"
 # Written by the tracer: str, the process group of a collective the step itself issues (DTensor's,
 # over a tensor-parallel group). Over the data-parallel dims every rank runs it on its own data.
 MODEL_PARALLEL = "spmd_model_parallel"
+# Written by the tracer on the issue node of such a collective: (mesh dim name, placement before,
+# placement after) along the plan's mesh dim, e.g. ("tp", "P(sum)", "R") for an all_reduce.
+PLAN_PLACEMENT = "spmd_plan_placement"
 
 # Written by passes/batch_dim.py (placement propagation).
 # Placement for a tensor; list[Placement | None] for a multi-output node or a void foreach/fused
@@ -74,6 +77,9 @@ WORKSPACES = "spmd_workspaces"
 # list[str]: the process group name of each mesh dim, outermost first (passes/expand.py), so a
 # collective's group names the mesh dim it runs on.
 MESH_DIMS = "spmd_mesh_dims"
+# dict[str, str]: the process group name -> mesh dim name of each dim a tensor-parallel plan uses
+# (written by the tracer), so a plan's collective names the dim it runs on.
+PLAN_DIMS = "spmd_plan_dims"
 
 # Written by the tracer for parameters whose unshard it records (FSDP2's all-gather extensions,
 # spmd_compiler/subclass_params.py). str: the parameter's fqn, on its PARAM placeholders (the

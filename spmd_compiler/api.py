@@ -17,17 +17,21 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import cache, compile_log, guards, saving
+from . import cache, compile_log, guards, optimizer_state, saving, shared_compile
 from .accumulation import KeptGradients
 from .consistency import (
     CACHED,
     COMPILE,
     COMPILE_FAILED,
+    CarriedAgreement,
+    RankCheck,
     Redispatch,
     agree_on_call,
     agree_on_program,
     agreement_in_flight,
     await_agreement,
+    carry_alone,
+    CARRIER,
     describe_graph,
     describe_program,
     start_agreement,
@@ -36,6 +40,8 @@ from .dynamic_dims import InputShapeHistory
 from .eager import attach as attach_eager_use, refuse_bound
 from .errors import NoProcessGroupError, SPMDError
 from .mixed_precision import check_policy
+from .call_args import spec_text
+from .module_walk import walk
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
 from .tensor_parallel import DataParallelDims, graph_inputs, has_plan
 from .pipeline import BuildOptions, build_program, dump_dir_for_compile, info
@@ -81,12 +87,14 @@ class CompiledStep:
         self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory
         self.cache_dir = cache_dir
         self.mesh = mesh  # None: the 1-D mesh over the default process group
-        # Every program compiled so far, in compile order. Every rank compiles together, so
+        # Every program compiled so far, in compile order. Every rank compiles together (or
+        # receives the program the rank that built it sends: shared_compile.py), so
         # program k exists on every rank and communicates the same on all of them (the per-call
         # agreement relies on it).
         self._programs: list[CompiledGraph] = []
         self._shapes = InputShapeHistory(parallel_mode.automatic_dynamic, check_ranks)
         self._last_key: tuple | None = None
+        self._carrier = None  # the all_reduces every program's check rides in (consistency.py)
         self.compile_count = 0  # programs made ready: compiled, or loaded from the disk cache
         self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
@@ -109,41 +117,24 @@ class CompiledStep:
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
                 group = mesh_group(_step_mesh(self.mesh, _device_of(args, kwargs)))
-                agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
+                with communication_failures("the per-call agreement between ranks"):
+                    if self._carrier:
+                        carry_alone(self._carrier, group, failed=True)
+                    else:
+                        agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
             raise
         device = module_device(sa.module, [sa.leaves[i] for i in sa.input_indices])
         mesh = _step_mesh(self.mesh, device)
         key = self._step_key(sa)
-        inputs, dp_mesh = graph_inputs(sa), self._data_mesh(mesh, sa)
-        hparams = lifted_hparams(sa)
-        fits = [k for k, e in enumerate(self._programs)
-                if e.static_key == key and e.guards_hold(inputs, hparams)]
-        choice = fits[-1] if fits else None  # the newest program that fits, as dynamo's cache
+        call = _Call(sa, graph_inputs(sa), self._data_mesh(mesh, sa), lifted_hparams(sa), key)
+        choice = call.newest_fit(self._programs)  # the newest program that fits, as dynamo's
         if self.check_ranks:
-            batch = next((sa.leaves[i].shape[d] for i, d in zip(sa.input_indices, sa.batch_dims)
-                          if d is not None), 0)
-            group = mesh_group(mesh)
-            if choice is not None and self._programs[choice].checks_ranks_inside:
-                # Run it while the agreement travels; the graph awaits it before its first
-                # collective or state update, and stops there if the ranks chose otherwise.
-                with communication_failures("the per-call agreement between ranks"):
-                    pending = start_agreement(CACHED, batch, group, fits, len(self._programs),
-                                              running=choice)
-                try:
-                    with torch.no_grad(), agreement_in_flight(pending) as agreement:
-                        out = self._programs[choice](sa, dp_mesh, hparams, self._kept.grads,
-                                                     agreement)
-                    run_after(self.fn, self._programs[choice].traced.replay, sa)
-                    return out
-                except Redispatch as r:
-                    choice = r.choice
-            else:
-                with communication_failures("the per-call agreement between ranks"):
-                    choice = agree_on_call(CACHED if fits else COMPILE, batch, group, fits,
-                                           len(self._programs))
-        entry = self._programs[choice] if choice is not None else self._compile(sa, mesh, key)
+            choice, out = _agree_and_run(self, call, mesh_group(mesh), choice)
+            if choice is _DONE:
+                return out
+        entry = self._programs[choice] if choice is not None else _compile(self, sa, mesh, key)
         with torch.no_grad():
-            out = entry(sa, dp_mesh, hparams, self._kept.grads)
+            out = entry(sa, call.dp_mesh, call.hparams, self._kept.grads)
         run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
         return out
 
@@ -151,15 +142,16 @@ class CompiledStep:
         """Build the program (or load it from the disk cache), check that every rank has the
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
-        why_again = _why_again(self, key)
+        why_again = _why_again(self, key, sa)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
             disk, stored = cache.lookup(_disk_cache(self), sa, dynamic, group, self.check_ranks,
                                         fn=self.fn, options=_cache_options(self))
+        received = None
         try:
-            refuse_bound(sa.module)
-            ready = stored if stored is not None else self._build(sa, mesh, key, dynamic, why)
+            ready, received = _obtain(self, sa, mesh, group, stored,
+                                      lambda: self._build(sa, mesh, key, dynamic, why), dynamic)
             description = describe_program(sa, ready.graph, ready.traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
@@ -173,7 +165,7 @@ class CompiledStep:
                              ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
         if stored is None and disk is not None:
-            cache.save(*disk, sa, self.fn, entry, ready, entry_summary(entry))
+            _save(self, disk, received, sa, entry, ready)
         return entry
 
     def _install(self, sa: StepArgs, mesh, ready: "_Ready") -> CompiledGraph:
@@ -183,8 +175,11 @@ class CompiledStep:
         self._last_key = key = self._step_key(sa)
         entry = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, key, ready.seconds,
                               checks_ranks_inside=self.check_ranks and self.backend == "eager",
-                              summary=ready.summary, values=guards.bind(ready.traced, self.fn, sa))
+                              summary=ready.summary, values=guards.bind(ready.traced, self.fn, sa),
+                              carrier=ready.graph.get(CARRIER))
         self._programs.append(entry)
+        self._carrier = entry.carrier if all(p.carrier == entry.carrier for p in self._programs) \
+            else None
         self._shapes.remember(sa, ready.traced)
         self.compile_count += 1
         ready.seconds["placed state"] = time.perf_counter() - start
@@ -195,21 +190,111 @@ class CompiledStep:
 
     def _build(self, sa: StepArgs, mesh, key, dynamic, why) -> "_Ready":
         if self._last_key is not None:
-            info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, _why))
+            info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, sa, _why))
         if why:
             info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         program = build_program(self.fn, sa, build_options(
-            self, self._data_mesh.dims(mesh, sa), dynamic, self._data_mesh(mesh, sa)))
+            self, self._data_mesh.dims(mesh, sa), dynamic, self._data_mesh(mesh, sa),
+            mesh_group(mesh).group_name))
         return _Ready(program.final_traced, program.runnable, program.guard_code, program.seconds,
-                      describe_graph(program.gm), len(program.gm.graph.nodes))
+                      describe_graph(program.gm, program.runnable), len(program.gm.graph.nodes))
 
 
-def _why_again(step: CompiledStep, key: tuple, static=compile_log.reason) -> str | None:
+def _compile(step: CompiledStep, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
+    """Compile a new program; Adam's and AdamW's first-step state made first, so that their
+    first call compiles the steady program (optimizer_state.py): one compile, not two."""
+    with optimizer_state.made_before_recording(sa.optimizers, bool(step._kept.mode)):
+        return step._compile(sa, mesh, key)
+
+
+def _obtain(step: CompiledStep, sa: StepArgs, mesh, group, stored, build: Callable, dynamic):
+    """(the program: loaded from the disk cache, built here or received from the rank that
+    built it, the StoredProgram received or None); see shared_compile.py."""
+    if stored is None and step.check_ranks and dist.get_world_size(group) > 1:
+        return shared_compile.build_jointly(step, sa, mesh, group, dynamic,
+                                            check=lambda: refuse_bound(sa.module), build=build,
+                                            fits=lambda ready: _fits(step, ready, sa))
+    refuse_bound(sa.module)
+    return (stored if stored is not None else build()), None
+
+
+def _save(step: CompiledStep, disk: tuple[str, str], received, sa: StepArgs, entry, ready) -> None:
+    """Store a program built here, or received from the rank that built it, on disk."""
+    if received is not None:
+        shared_compile.save(disk, received)
+    else:
+        cache.save(*disk, sa, step.fn, entry, ready, entry_summary(entry))
+
+
+def _fits(step: CompiledStep, ready: "_Ready", sa: StepArgs) -> bool:
+    """Does a program built on another rank serve this rank's inputs?"""
+    probe = CompiledGraph(ready.traced, ready.runnable, ready.guard_code, None, {},
+                          values=guards.bind(ready.traced, step.fn, sa))
+    return probe.guards_hold(graph_inputs(sa), lifted_hparams(sa))
+
+
+def _why_again(step: CompiledStep, key: tuple, sa: StepArgs,
+               static=compile_log.reason) -> str | None:
     """Why ``step`` compiles again for the static ``key``: a Python value its newest program for
-    ``key`` read changed (guards.py; numbers among them become inputs), or what changed in the
-    static key (``static(old key, key)``)."""
+    ``key`` read changed (guards.py; numbers among them become inputs), a guard of that program
+    the call's inputs fail (compile_log.guard_miss), or what changed in the static key
+    (``static(old key, key)``)."""
     return (guards.recompile_reason(step._programs, key, step._lifts)
+            or compile_log.guard_miss(step._programs, key, sa)
             or static(step._last_key, key))
+
+
+_DONE = object()  # _agree_and_run's choice when it ran the step itself
+
+
+class _Call(NamedTuple):
+    """One call's arguments as the programs' guards and the runtime read them."""
+
+    sa: StepArgs
+    inputs: list  # the graph's batch inputs (tensor_parallel.graph_inputs)
+    dp_mesh: Any
+    hparams: list[float]
+    key: tuple  # step_key
+
+    def fits(self, entry: CompiledGraph) -> bool:
+        return entry.static_key == self.key and entry.guards_hold(self.inputs, self.hparams)
+
+    def newest_fit(self, programs: list[CompiledGraph]) -> int | None:
+        return next((k for k in range(len(programs) - 1, -1, -1) if self.fits(programs[k])), None)
+
+    def all_fits(self, programs: list[CompiledGraph]) -> list[int]:
+        return [k for k, e in enumerate(programs) if self.fits(e)]
+
+
+def _agree_and_run(step: CompiledStep, call: _Call, group, choice: int | None):
+    """(the program every rank runs, None: compile one; or _DONE, the step's output).
+
+    A rank with a cached eager program runs it while the agreement travels: inside its first
+    gradient all_reduce (``step._carrier``) or in a dedicated exchange issued first; the graph
+    checks it before its first collective or state update and stops there if the ranks chose
+    otherwise. A rank that must compile joins the carrier alone. When the carried check finds
+    that ranks differ, every rank exchanges which programs fit (``agree_on_call``)."""
+    programs, sa = step._programs, call.sa
+    where = "the per-call agreement between ranks"
+    if choice is not None and programs[choice].checks_ranks_inside:
+        with communication_failures(where):
+            pending = (CarriedAgreement(choice, step._carrier, group) if step._carrier else
+                       start_agreement(CACHED, 0, group, call.all_fits(programs), len(programs),
+                                       running=choice))
+        try:
+            with torch.no_grad(), agreement_in_flight(pending) as agreement:
+                out = programs[choice](sa, call.dp_mesh, call.hparams, step._kept.grads, agreement)
+            run_after(step.fn, programs[choice].traced.replay, sa)
+            return _DONE, out
+        except Redispatch as r:
+            if r.resolved:
+                return r.choice, None
+    elif step._carrier:
+        with communication_failures(where):
+            carry_alone(step._carrier, group)
+    fits = call.all_fits(programs)
+    with communication_failures(where):
+        return agree_on_call(CACHED if fits else COMPILE, 0, group, fits, len(programs)), None
 
 
 def _why(old: tuple, new: tuple) -> str:
@@ -219,11 +304,13 @@ def _why(old: tuple, new: tuple) -> str:
 
 
 def build_options(step: CompiledStep, dims: list[tuple[str, int]], dynamic=None,
-                  mesh=None) -> BuildOptions:
+                  mesh=None, group: str | None = None) -> BuildOptions:
     """The pipeline's options for a compile of ``step`` on mesh ``dims`` ((group name, size)
-    per dim, outermost first); ``mesh``: the DeviceMesh itself, when there is one."""
+    per dim, outermost first); ``mesh``: the DeviceMesh itself, when there is one; ``group``:
+    the name of the group over every rank of the step (the per-call agreement's)."""
+    check = (await_agreement, RankCheck(group) if group else None) if step.check_ranks else None
     return BuildOptions(step.parallel_mode, step.backend, dims, dynamic, step._kept.mode,
-                        step.gm_transformation, await_agreement if step.check_ranks else None,
+                        step.gm_transformation, check,
                         dump_dir_for_compile(step.dump_dir, step.compile_count), step._lifts,
                         shard=shard_context(step.parallel_mode, mesh, dims))
 
@@ -269,8 +356,8 @@ def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> N
         return
     place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
                 mode.param_init_fn, torch.device(mesh.device_type))
-    if not has_plan(sa.module):  # model(x), generate(), load_state_dict, saving outside the step
-        attach_eager_use(sa.module, mesh)
+    attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
+    if not has_plan(sa.module):  # a plan's state dicts keep DTensors, as eager TP's do
         saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
 
 
@@ -338,7 +425,8 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     runnable = program.runnable
     created = sorted({k for _, k in program.final_traced.new_state_keys})
     notes = {"optimizer state": f"0 B so far: the optimizer creates its state ({', '.join(created)}) "
-             f"on its first step; the step then compiles once more with it"} if created else None
+             f"on its first step; the compiled step makes Adam's and AdamW's before recording (one "
+             f"compile), other optimizers' in a first program of their own"} if created else None
     summary = summarize(program.gm, compile_times=program.seconds, notes=notes,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
     if step.dump_dir:
@@ -387,20 +475,20 @@ def _hashable(x: Any) -> Any:
 def step_key(sa: StepArgs) -> tuple:
     """Everything a compiled graph depends on besides the input sizes (which its guards check).
 
-    Named components, so a recompile can say what changed.
+    Named components, so a recompile can say what changed. Read on every call: one walk over
+    the module tree (module_walk.py).
     """
     module = sa.module
-    params = tuple(
-        (id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in module.parameters()
-    )
-    buffers = tuple((id(b), tuple(b.shape), b.dtype) for b in module.buffers())
-    training = tuple(m.training for m in module.modules())
+    tree = walk(module)
+    params = tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for _, p in tree.params)
+    buffers = tuple((id(b), tuple(b.shape), b.dtype) for _, b in tree.buffers)
+    training = tuple(m.training for m in tree.modules)
     optim = []
     for opt in sa.optimizers:
         groups = tuple(
             tuple(sorted((k, _hashable(v)) for k, v in g.items()  # plain values: guards.py
                          if k != "params" and k not in LIFTED_HPARAMS and not guards.is_plain(v)))
-            + (tuple(id(p) for p in g["params"]),)
+            + (tuple(map(id, g["params"])),)
             for g in opt.param_groups
         )
         state = tuple(
@@ -414,15 +502,13 @@ def step_key(sa: StepArgs) -> tuple:
     for i, d in zip(sa.input_indices, sa.batch_dims):
         t = sa.leaves[i]
         inputs.append((t.dim(), d, t.dtype, t.device, t.requires_grad))
-    constants = tuple(
-        _hashable(x) for j, x in enumerate(sa.leaves)
-        if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
-    )
+    skip = {*sa.input_indices, sa.module_index, *sa.optimizer_indices}
+    constants = tuple(_hashable(x) for j, x in enumerate(sa.leaves) if j not in skip)
     return (
         ("module", id(module)), ("parameters", params), ("buffers", buffers),
         ("train/eval mode", training), ("optimizer", tuple(optim)),
-        ("input structure", str(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
-        ("all-gather extensions", extension_key(module)),
+        ("input structure", spec_text(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
+        ("all-gather extensions", extension_key(module, tree.params)),
     )
 
 
@@ -440,8 +526,9 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
         dump_dir: write every stage's graph (and a summary) here; also ``SPMD_DUMP_DIR``.
         gm_transformation: an extra ``GraphModule -> GraphModule`` applied after the built-in passes.
         check_ranks: verify that every rank compiles the same program (at compile time) and that
-            all ranks agree on when to recompile (one small all_reduce per call, awaited by the
-            eager graph just before its first collective or state update). Turn off only
+            all ranks agree on when to recompile (per call, a header in the eager graph's first
+            gradient bucket, else one small all_reduce awaited just before its first collective
+            or state update; see spmd_compiler/consistency.py). Turn off only
             when inputs are known to agree across ranks; a disagreement then hangs or diverges.
         retain_host_memory: keep the host memory a step frees for the next one instead of
             returning it to the OS (glibc malloc settings, process-wide, set at the first

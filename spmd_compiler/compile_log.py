@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger("spmd_compiler")
@@ -80,3 +82,66 @@ def announce(name: str, style: str, nodes: int, seconds: dict[str, float], loade
         log.info(msg)
     elif log.level == logging.NOTSET:
         _DEFAULT.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, msg, None, None))
+
+
+def guard_miss(programs: list, key: tuple, sa) -> str | None:
+    """Why the newest of ``programs`` (runtime.CompiledGraph) compiled for the static ``key``
+    does not serve the call with arguments ``sa``, in plain words: the input, its dim and size
+    (or the value) and what the program was compiled for; None if no program has that key."""
+    from .runtime import lifted_hparams
+    from .tensor_parallel import graph_inputs
+
+    entry = next((e for e in reversed(programs) if e.static_key == key), None)
+    if entry is None:
+        return None
+    inputs, traced = graph_inputs(sa), entry.traced
+    names = [sa.leaf_name(i) for i in sa.input_indices]
+    hparams = entry.with_lifted(lifted_hparams(sa)) if entry.values is not None else \
+        lifted_hparams(sa)
+    for i, value in traced.specialized_hparams:
+        if hparams[i] != value:
+            return (f"a learning rate (or a number the step reads), {hparams[i]!r}, differs from "
+                    f"the constant {value!r} the program was compiled with")
+    for name, t, sizes in zip(names, inputs, traced.static_sizes):
+        for d, size in sizes:
+            if t.shape[d] != size:
+                return (f"{name} has size {t.shape[d]} in dim {d}; the program was compiled for "
+                        f"size {size} there (a constant in it)")
+    for k, value in traced.specialized_inputs:
+        if not torch.equal(inputs[k], value):
+            return (f"{names[k]} (an unbatched input whose values the recording read) has other "
+                    f"values than the program was compiled for")
+    return _failed_shape_guard(entry.guard_code, inputs, names)
+
+
+def _failed_shape_guard(code: str | None, inputs: list, names: list[str]) -> str | None:
+    """The first of the ShapeEnv's guards (``code``: ``a and b and ...`` over ``L['t<i>']``)
+    that the inputs fail, with the inputs named as the user passed them."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    scope = {"L": {f"t{i}": t for i, t in enumerate(inputs)}}
+    for part in _conjuncts(code or ""):
+        try:
+            holds = bool(eval(part, SYMPY_INTERP, scope))
+        except Exception:  # noqa: BLE001 - a part that cannot be judged alone
+            continue
+        if not holds:
+            used = sorted({int(i) for i in re.findall(r"L\['t(\d+)'\]", part)})
+            readable = re.sub(r"L\['t(\d+)'\]\.size\(\)\[(\d+)\]",
+                              lambda m: f"{names[int(m[1])]}.shape[{m[2]}]", part)
+            shapes = ", ".join(f"{names[i]} has shape {tuple(inputs[i].shape)}" for i in used)
+            return (f"the program was compiled for sizes with {readable}, and {shapes}" if shapes
+                    else f"the program's guard {readable} fails")
+    return None
+
+
+def _conjuncts(code: str) -> list[str]:
+    """``a and b and c`` split at its top-level ``and``s."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(code):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if depth == 0 and code.startswith(" and ", i):
+            parts.append(code[start:i])
+            start = i + 5
+    return parts + [code[start:]] if code else parts

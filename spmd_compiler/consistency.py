@@ -6,14 +6,28 @@ what a rank communicates) would otherwise enter mismatched collectives and hang 
 garbage. Ranks may differ in the sizes the program holds as symbols (the local batch size, a
 dynamic sequence length); the collectives do not depend on them. Two checks:
 
-- per call, ``agree_on_call``: one small all_reduce of every rank's (status, local batch size,
-  which compiled programs fit its inputs). Every compile happens on every rank together, so
-  program ``k`` exists on all ranks; all ranks run the newest program that fits
-  every rank's inputs, or, if none does, all of them compile a new one (one rank's new sequence
-  length makes every rank recompile, never only one). A rank running a cached eager program only
-  issues the exchange (``start_agreement``) and the program awaits it (``await_agreement``)
-  before its first collective or state update; if the ranks chose another program, it stops
-  there (``Redispatch``) and the step runs the chosen one;
+- per call, ``agree_on_call``: ranks exchange (status, which compiled programs fit their
+  inputs). Every compile happens on every rank together, so program ``k`` exists on all ranks;
+  all ranks run the newest program that fits every rank's inputs, or, if none does, all of them
+  compile a new one (one rank's new sequence length makes every rank recompile, never only one).
+  In the steady state this costs no collective of its own: each eager program's check rides in
+  its first gradient bucket (``passes/rank_check.carry``; the bucket depends on the parameters
+  only, so every program of the step issues it with the same size). The running program appends
+  a header to the bucket's ``cat``: (running a program, failed, the program's index in binary),
+  pre-multiplied by the bucket's divisor so that the summed header counts ranks exactly, and
+  reads it back right after the bucket's wait, before any other collective or state update. All
+  ranks ran the same program when every rank is running, none failed and every index bit is
+  set on all ranks or none; otherwise it stops there (``Redispatch``, nothing changed) and every
+  rank exchanges its fits (``agree_on_call``). A rank that runs no program (its guards fail, or
+  it rejected its arguments) joins the same all_reduces with zeros and its header
+  (``carry_alone``), so nobody waits in a collective the others never issue. Every rank knows
+  the carrier of every program (it is part of ``describe_graph``, agreed on at compile time),
+  so every rank takes the same path. Where a program cannot carry it (a collective other than a
+  static sum all_reduce over the step's group, or a state update, before its first bucket:
+  BatchNorm buffers broadcast first, fully_shard's gathers, a multi-dim mesh) or the step's
+  programs carry it in different all_reduces, the exchange is a dedicated small all_reduce
+  (``start_agreement``) that the program awaits (``await_agreement``) before its first
+  collective or state update, running while it travels;
 - per compile, ``agree_on_program``: ranks exchange a description of what they compiled (or the
   error they hit) as pickled bytes in one all_reduce: the model, optimizer and batch structure
   and the program's sequence of collectives (``describe_program``); any difference, or any
@@ -23,6 +37,7 @@ dynamic sequence length); the collectives do not depend on them. Two checks:
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import re
 import sys
@@ -33,7 +48,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from spmd_compiler.passes import meta
-from spmd_compiler.passes.expand import mesh_dim_of
+from spmd_compiler.passes.expand import collective_dim
+from spmd_compiler.passes.rank_check import CARRIER as CARRIER_META
 
 from .errors import SPMDError
 from .tracing import StepArgs
@@ -47,15 +63,18 @@ class Redispatch(Exception):
     """Raised inside a running program whose rank learns that the ranks chose another program
     (``choice``, None: compile a new one); nothing has communicated or changed state yet."""
 
-    def __init__(self, choice: int | None):
-        super().__init__(f"the ranks chose program {choice}")
-        self.choice = choice
+    def __init__(self, choice: int | None, resolved: bool = True):
+        super().__init__(f"the ranks chose program {choice}" if resolved else
+                         "the ranks run different programs; they agree on one next")
+        self.choice, self.resolved = choice, resolved
 
 
 # A memory address in a repr (a plain object's default one, "<... object at 0x7f...>"): it
 # differs on every rank and says nothing about the program.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
+# describe_graph: (elements, dtype) of each all_reduce up to the one the per-call check rides in
+CARRIER = "per-call agreement carrier"
 CACHED, COMPILE, COMPILE_FAILED = 0, 1, 2  # what a rank is about to do with this call
 _BITS = 62  # programs per int64 word of the fits-mask
 
@@ -135,13 +154,17 @@ def agreement_in_flight(pending: PendingAgreement | None):
     list) to pass to the step's graph as its ``agreement`` input; the graph calls
     ``await_agreement(holder)`` before its first collective or state update. If the step stops
     before that, the agreement is still completed here (and, when the step raised nothing,
-    checked)."""
+    checked); a carried agreement whose step raised before its carrier joins the carrier alone,
+    as a failed rank."""
     holder = [pending]
     try:
         yield holder
     finally:
         left = holder[0]
-        if left is not None and sys.exc_info()[0] is None:
+        if isinstance(left, CarriedAgreement):
+            if not left.sent:  # failed before its carrier: the others must not wait for it
+                carry_alone(left.carrier, left.group, failed=True)
+        elif left is not None and sys.exc_info()[0] is None:
             if finish_agreement(left) != left.running:
                 raise RankMismatchError(
                     "the ranks chose another compiled program after this rank had run its own; "
@@ -162,23 +185,136 @@ def await_agreement(holder: list | None) -> None:
             raise Redispatch(choice)
 
 
-def describe_graph(gm: fx.GraphModule) -> dict[str, Any]:
+# ---------------------------------------------------------------------------------------------
+# The agreement carried in the step's first gradient all_reduce
+
+HEADER_BITS = 16  # bits of the running program's index in the header
+_PRESENT, _FAILED, _BITS0 = 0, 1, 2
+HEADER = 2 + HEADER_BITS  # elements
+
+
+class CarriedAgreement:
+    """A per-call agreement that rides in the running program's carrier all_reduce: nothing is
+    issued for it before the program runs (``running``: the program this rank runs; ``carrier``:
+    (elements, dtype) of the all_reduces up to it, over ``group``)."""
+
+    def __init__(self, running: int, carrier: tuple[tuple[int, str], ...], group):
+        self.running, self.carrier, self.group = running, carrier, group
+        self.world = dist.get_world_size(group)
+        self.sent = False
+
+
+def header_row(running: int | None, failed: bool = False) -> list[int]:
+    """This rank's header: (running a program, failed, the program's index in binary). Summed
+    over the ranks, each element counts ranks: they agree when every rank runs a program, none
+    failed and every index bit is set on all ranks or on none."""
+    if failed or running is None:
+        return [0, int(failed)] + [0] * HEADER_BITS
+    return [1, 0] + [running >> b & 1 for b in range(HEADER_BITS)]
+
+
+def agreement_header(holder: list | None, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Graph node, just before the carrier all_reduce: this rank's header, times ``scale`` (the
+    carrier is divided by it before the sum, so the sum counts ranks exactly). With the
+    dedicated exchange in flight instead (``PendingAgreement``), complete it first
+    (``await_agreement``): the carrier is the program's first collective."""
+    pending = holder[0] if holder is not None else None
+    if isinstance(pending, CarriedAgreement):
+        pending.sent = True
+        return _header(pending.running, scale, dtype)
+    await_agreement(holder)
+    return _header(None, scale, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _header(running: int | None, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``header_row(running) * scale`` as a tensor (made once; the graph's ``cat`` copies it)."""
+    if running is not None and running >> HEADER_BITS:
+        raise RankMismatchError(f"more than {2 ** HEADER_BITS} programs for one step")
+    return torch.tensor(header_row(running), dtype=dtype) * scale
+
+
+@functools.lru_cache(maxsize=None)
+def _agreed(running: int, world: int) -> list[float]:
+    """The summed header when all ``world`` ranks run program ``running``."""
+    return [float(world * x) for x in header_row(running)]
+
+
+def agreement_check(holder: list | None, reduced: torch.Tensor) -> None:
+    """Graph node, right after the carrier's wait, before any other collective or state
+    update: read the summed headers; raise ``Redispatch`` (unresolved: the ranks then exchange
+    which programs fit, ``agree_on_call``) unless every rank runs this program, or
+    RankMismatchError if a rank failed."""
+    pending = holder[0] if holder is not None else None
+    if isinstance(pending, CarriedAgreement):
+        holder[0] = None
+        counts = reduced.narrow(0, reduced.numel() - HEADER, HEADER).tolist()
+        if counts != _agreed(pending.running, pending.world):
+            decide_carried([round(x) for x in counts], pending.world)
+
+
+def decide_carried(counts: list[int], world: int) -> None:
+    """Raise unless the summed header ``counts`` says that all ``world`` ranks run the same
+    program (see ``agreement_check``)."""
+    if counts[_FAILED]:
+        raise RankMismatchError(
+            f"{counts[_FAILED]} rank(s) rejected their step arguments or failed before the "
+            f"step's first collective (see the error raised there); this rank stops too "
+            f"instead of waiting for them in a collective.")
+    if counts[_PRESENT] != world or any(c not in (0, world) for c in counts[_BITS0:]):
+        raise Redispatch(None, resolved=False)
+
+
+class RankCheck:
+    """What ``passes/rank_check.place_rank_check`` needs to let the agreement ride in an
+    all_reduce over ``group`` (the name of the process group every rank of the step is in)."""
+
+    length = HEADER
+
+    def __init__(self, group: str):
+        self.group = group
+
+    header = staticmethod(agreement_header)
+    check = staticmethod(agreement_check)
+
+
+def carry_alone(carrier: tuple[tuple[int, str], ...], group, failed: bool = False) -> None:
+    """On a rank that runs no program this call (it must compile, or it failed), join the
+    all_reduces the other ranks' programs issue up to the one their check rides in
+    (``carrier``: (elements, dtype) of each, the carrier last): zeros, and in the carrier this
+    rank's header (not running; ``failed``). Raises RankMismatchError if a rank failed, and
+    returns otherwise (the ranks then agree with ``agree_on_call``)."""
+    tables = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch."))) for n, d in carrier]
+    tables[-1][-HEADER:] = torch.tensor(header_row(None, failed), dtype=tables[-1].dtype)
+    for work in [dist.all_reduce(t, group=group, async_op=True) for t in tables]:
+        work.wait()
+    counts = [round(x) for x in tables[-1][-HEADER:].tolist()]
+    if counts[_FAILED] and not failed:
+        decide_carried(counts, 0)
+
+
+def describe_graph(gm: fx.GraphModule, runnable: Any = None) -> dict[str, Any]:
     """The part of ``describe_program`` read off the compiled graph: what it communicates.
 
     The rest of the graph may differ across ranks. Each rank records the step at its own
     sizes, and a size-dependent branch or a size the trace specializes (a length whose
     shifted targets are one long) gives that rank another computation, as each DDP rank runs its
     own Python; what must not differ is the sequence of collectives, and it does not depend on
-    the sizes the program holds as symbols. Each collective is named with the mesh dim it runs
-    on (its group differs from rank to rank on a mesh of several dims; its dim must not).
+    the sizes the program holds as symbols. Each collective, the data-parallel ones and a
+    tensor-parallel plan's, is named with the mesh dim it runs on (its group differs from rank
+    to rank on a mesh of several dims; its dim must not). With the lowered ``runnable``: the
+    all_reduce its per-call check rides in, if any (every rank must join the same one when
+    another rank runs no program).
     """
     collectives = [
         (str(n.target), repr(tuple(n.meta["val"].shape)) if hasattr(n.meta.get("val"), "shape") else "()",
-         n.meta.get(meta.BUCKET), mesh_dim_of(gm, n))
+         n.meta.get(meta.BUCKET), collective_dim(gm, n))
         for n in gm.graph.nodes if n.meta.get(meta.COLLECTIVE) is not None
+        or meta.PLAN_PLACEMENT in n.meta  # a tensor-parallel plan's (issue nodes only)
     ]
     extensions = gm.meta.get(meta.GATHER_EXTENSIONS)
-    return {"collective sequence": collectives,
+    carrier = getattr(runnable, "meta", {}).get(CARRIER_META)
+    return {"collective sequence": collectives, **({CARRIER: carrier} if carrier else {}),
             **({"all-gather extensions (inputs, metadata)": extensions} if extensions else {})}
 
 

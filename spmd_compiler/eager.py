@@ -11,6 +11,10 @@ afterwards:
 - ``Shard(0)`` parameters are all-gathered (a few flat collectives for the whole model) into full
   tensors: the call is collective, every rank must make it, as with FSDP2. In-place changes to
   a gathered parameter are written back to the shard.
+- Under data parallel x tensor parallel a planned parameter (a DTensor on the whole mesh) binds
+  a DTensor of its plan (the tensor-parallel mesh and placements, what ``parallelize_module``
+  left) around its tensor-parallel shard, gathered over the data-parallel dims if sharded there:
+  the plan's own module hooks then run as in eager TP (or FSDP2 + TP).
 
 With grad enabled the binding is differentiable and its backward is DDP's: gradients are
 averaged over ranks (all_reduce, or reduce_scatter for shards) and land in ``p.grad`` as DTensors
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .torch_internals import local_tensor, dtensor_spec
+from .torch_internals import FakeTensor, dtensor_from_spec, dtensor_spec, is_dim_shard, local_tensor
 from .errors import StepSignatureError
 from .runtime import communication_failures, is_sharded, local_buffer, shard_dim, shard_size
 
@@ -113,7 +117,9 @@ class EagerUse:
                 break
         else:
             return True
-        if isinstance(current, DTensor):  # parameters replaced since (load_state_dict(assign=True))
+        if isinstance(current, DTensor) and not isinstance(local_tensor(current), FakeTensor):
+            # parameters replaced since (load_state_dict(assign=True)); not the recording's
+            # DTensors of a plan around the tracer's tensors
             self.refresh()
             return bool(self.slots)
         return False  # the tracer's tensors (or plain ones the user put there)
@@ -127,10 +133,11 @@ class EagerUse:
             tensors = list(_BindParams.apply(self, *self.params))
         else:
             tensors = self._plain_tensors()
-        for s in self.slots:
-            s.module._parameters[s.name] = tensors[s.index]
         self.bound = tensors
         self._versions = [t._version for t in tensors]
+        tensors = [_as_planned(t, p) for t, p in zip(tensors, self.params)]
+        for s in self.slots:
+            s.module._parameters[s.name] = tensors[s.index]
 
     def unbind(self) -> None:
         """Put the DTensors back; write in-place changes of gathered parameters to the shards."""
@@ -161,12 +168,37 @@ class EagerUse:
 
 
 def _sharded(p: DTensor) -> bool:
-    return is_sharded(p)
+    """Is ``p`` sharded over the data-parallel dims (the dims before a plan's)?"""
+    plan = getattr(p, "_spmd_plan", None)
+    if plan is None:
+        return is_sharded(p)
+    return any(is_dim_shard(q) for q in p.placements[:p.device_mesh.ndim - plan.spec.mesh.ndim])
+
+
+def _whole(p: DTensor) -> tuple[int, ...]:
+    """The shape data parallelism places: a planned parameter's tensor-parallel shard, else the
+    parameter's."""
+    plan = getattr(p, "_spmd_plan", None)
+    return tuple(plan.local_shape) if plan is not None else tuple(p.shape)
+
+
+def _as_planned(t: torch.Tensor, p: DTensor) -> torch.Tensor:
+    """The plain tensor bound for ``p``, or for a planned parameter the DTensor of its plan
+    around it (differentiable when ``t`` requires grad: the gradient comes back as the
+    plan's local shard)."""
+    plan = getattr(p, "_spmd_plan", None)
+    if plan is None:
+        return t
+    if not t.requires_grad:
+        return dtensor_from_spec(t, plan.spec)
+    spec = plan.spec
+    return DTensor.from_local(t, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                              stride=spec.stride)
 
 
 def _rows(p: DTensor, world: int) -> int:
     """Rows of every rank's padded shard (runtime.Layout)."""
-    return -(-p.shape[0] // world)
+    return -(-_whole(p)[0] // world)
 
 
 def _padded_shard(p: DTensor, world: int) -> torch.Tensor:
@@ -275,7 +307,7 @@ class _BindParams(torch.autograd.Function):
             idx = [i for i in want if _sharded(params[i]) == sharded]
             if not idx:
                 continue
-            gs = [grads[i] if grads[i] is not None else torch.zeros(params[i].shape,
+            gs = [grads[i] if grads[i] is not None else torch.zeros(_whole(params[i]),
                                                                   dtype=params[i].dtype,
                                                                   device=local_tensor(params[i]).device)
                   for i in idx]
@@ -320,7 +352,7 @@ def _gather(params: list[DTensor], mesh: DeviceMesh) -> list[torch.Tensor]:
             shard, p = shards[i], params[i]
             n = shard.numel()
             rows = by_rank[:, offset:offset + n].reshape((world * shard.shape[0],) + tuple(shard.shape[1:]))
-            full[i] = rows[: p.shape[0]]
+            full[i] = rows[: _whole(p)[0]]
             offset += n
     return full
 
@@ -359,7 +391,7 @@ def _reduce_scatter_mean(grads: list[torch.Tensor], params: list[DTensor], mesh:
             rows = padded[i].shape[0] // world
             n = padded[i].numel() // world
             local = shard[offset:offset + n].view((rows,) + tuple(padded[i].shape[1:]))
-            valid = max(0, min(rows, p.shape[0] - rank * rows))
+            valid = max(0, min(rows, _whole(p)[0] - rank * rows))
             out[i] = _like(local[:valid], p)
             offset += n
     return out

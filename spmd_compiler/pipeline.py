@@ -32,6 +32,7 @@ import torch.distributed as dist
 from spmd_compiler.passes import batch_dim, meta
 from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.cleanup import eliminate_dead_code
+from spmd_compiler.passes.dedup_collectives import deduplicate_collectives
 from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
 from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
@@ -39,6 +40,7 @@ from spmd_compiler.passes.grad_outputs import output_gradients
 from spmd_compiler.passes.inplace import gather_into_preallocated, owned_temporary, reduce_in_place
 from spmd_compiler.passes.memory_plan import plan_static_memory
 from spmd_compiler.passes.overlap import sink_waits
+from spmd_compiler.passes.identity_views import skip_identity_views
 from spmd_compiler.passes.rank_check import place_rank_check
 from spmd_compiler.passes.recompute import recompute_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
@@ -76,7 +78,8 @@ class BuildOptions:
     dynamic_dims: dict[int, tuple[int, ...]] | None = None  # None: the ones the user declared
     accumulation: str | None = None  # spmd_compiler/accumulation.py
     gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None
-    rank_check: Callable[[], None] | None = None  # the per-call agreement the graph awaits
+    # the per-call agreement the graph awaits: (check, carrier or None), passes/rank_check.py
+    rank_check: tuple | None = None
     dump_dir: str | None = None
     lift: Any = None  # guards.LiftPolicy: the numbers the step reads to record as inputs
     # this rank's place on the shard dim (sharded styles), for FSDP2's all-gather extensions
@@ -213,11 +216,15 @@ def _bucketing(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
 
 def _schedule(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
     """Under Inductor the fused optimizer kernels run outside the compiled regions, so each one
-    splits the graph: fully_shard's updates then stay after the backward."""
+    splits the graph: fully_shard's updates then stay after the backward. A tensor-parallel
+    plan's waits (which the schedule leaves where they were recorded) are then sunk to their
+    first use, as replicate's overlap stage does."""
     mode = b.options.mode
-    return schedule_for_memory(gm, prefetch_cap_mb=mode.prefetch_cap_mb,
-                               reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
-                               updates_in_backward=b.options.backend == "eager")
+    gm = schedule_for_memory(gm, prefetch_cap_mb=mode.prefetch_cap_mb,
+                             reduce_cap_mb=mode.reduce_cap_mb, overlap=mode.overlap,
+                             updates_in_backward=b.options.backend == "eager")
+    # the schedule orders data parallelism's collectives; a tensor-parallel plan's wait where used
+    return sink_waits(gm, only=lambda w: meta.MODEL_PARALLEL in w.meta) if mode.overlap else gm
 
 
 def _lower(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
@@ -246,6 +253,8 @@ STAGES: list[Stage] = [
           "(passes/grad_outputs.py)", when="keep_grads", applies=lambda o: o.mode.keep_grads),
     Stage("dead_code", lambda gm, b: eliminate_dead_code(gm), "dead code removed "
           "(passes/cleanup.py)", optional=True),
+    Stage("dedup", lambda gm, b: deduplicate_collectives(gm), "a value reduced twice on one "
+          "group reduced once (passes/dedup_collectives.py)", optional=True),
     Stage("bucketing", _bucketing, "gradient collectives bucketed (passes/bucketing.py)",
           when="bucket_cap_mb", applies=lambda o: bool(o.mode.bucket_cap_mb), optional=True),
     Stage("split_optimizer", lambda gm, b: split_optimizer_by_bucket(gm), "the optimizer split "
@@ -262,7 +271,7 @@ STAGES: list[Stage] = [
           applies=lambda o: o.gm_transformation is not None),
     Stage("lowered", _lower, "the runnable: the FX graph's Python (in-place buckets, gloo "
           "collectives, a planned workspace; passes/inplace.py, gloo_collectives.py, "
-          "memory_plan.py, rank_check.py) or Inductor (backend)"),
+          "memory_plan.py, identity_views.py, rank_check.py) or Inductor (backend)"),
 ]
 
 
@@ -342,14 +351,15 @@ def dump_dir_for_compile(dump_dir: str | None, index: int) -> str | None:
 # Lowering
 
 
-def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None] | None = None) -> Callable:
+def lower(gm: torch.fx.GraphModule, backend: str, rank_check: tuple | None = None) -> Callable:
     """The runnable for ``backend``; ``gm`` itself stays functional (it is what the dumps and
     the cross-rank check describe).
 
     ``"eager"`` runs the generated Python of a copy of ``gm`` whose bucket divisions and
-    all_reduces work in place (passes/inplace.py) and that calls ``rank_check`` (the per-call
-    agreement) just before its first collective or state update (passes/rank_check.py), so the
-    agreement's message travels while the forward computes. ``"inductor"`` hands the whole step graph to
+    all_reduces work in place (passes/inplace.py) and that checks the per-call agreement
+    (``rank_check``: the check and the carrier, passes/rank_check.py) in its first gradient
+    all_reduce, or else just before its first collective or state update, so the agreement
+    costs no collective of its own, or its message travels while the forward computes. ``"inductor"`` hands the whole step graph to
     ``torch.compile`` (Inductor functionalizes it, keeps the functional collectives, reuses
     buffers itself and compiles on the first run), all but the fused optimizer kernels, which
     run in place between the compiled regions.
@@ -368,7 +378,8 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: Callable[[], None]
                      functools.partial(all_reduce_scatters, owned=owned_temporary),
                      plan_static_memory):
         runnable = lowering(runnable)
-    return place_rank_check(runnable, rank_check) if rank_check else runnable
+    runnable = skip_identity_views(runnable)
+    return place_rank_check(runnable, *rank_check) if rank_check else runnable
 
 
 def fused_kernels_outside_compile(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

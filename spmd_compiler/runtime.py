@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
+import math
 import ctypes.util
 import sys
 import weakref
@@ -24,8 +26,9 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
 
 from . import tensor_parallel as tp
-from .torch_internals import _broadcast_coalesced, dtensor_spec, local_tensor, pytree
+from .torch_internals import _broadcast_coalesced, direct_op_calls, dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
+from .module_walk import tensors
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
 from .tracing import StepArgs, TracedStep
@@ -89,7 +92,7 @@ def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
     """The device the module's state lives on. For a model built on the meta device: the
     device of the first tensor in ``inputs`` (the step's batch), where its state will be
     materialized, else the CPU."""
-    for t in (*module.parameters(), *module.buffers()):
+    for t in itertools.chain(tensors(module, "_parameters"), tensors(module, "_buffers")):
         if not t.is_meta:
             return t.device
     for t in inputs:
@@ -173,6 +176,8 @@ def ensure_padded(t: Any, mesh: DeviceMesh, param: Any) -> Any:
     state follows a tensor-parallel plan is its parameter's to say: a loaded state carries no
     mark of its own.
     """
+    if getattr(param, "_spmd_plan", None) is not None and isinstance(t, DTensor) and t.dim() > 0:
+        return _planned_state_placed(t, param, mesh)
     if not is_sharded(t) or t.dim() == 0 or tp.plan_of(t, param) is not None:
         return t
     layout = layout_for(t, True, shard_size(mesh))
@@ -187,6 +192,30 @@ def ensure_padded(t: Any, mesh: DeviceMesh, param: Any) -> Any:
     new = DTensor.from_local(buffer[:valid], mesh, param_placements(mesh, True), run_check=False,
                              shape=t.shape, stride=t.stride())
     return _attach(new, buffer)
+
+
+def _planned_state_placed(t: DTensor, param: DTensor, mesh: DeviceMesh) -> DTensor:
+    """A state DTensor of a placed tensor-parallel parameter, placed like it on the padded
+    buffer the graph binds: one still on the plan's mesh (made by eager TP before the first
+    compiled call, or loaded into it) gets the data-parallel dims stacked on (its local tensor
+    is the whole tensor-parallel shard; the first data-parallel rank's values win, as for the
+    parameter); one on the whole mesh without the buffer (a checkpoint load made it) gets one."""
+    plan = param._spmd_plan
+    sharded = tp.dp_sharded(param, mesh)
+    layout = Layout(plan.local_shape, sharded, shard_size(mesh))
+    buffer, local = local_buffer(t), local_tensor(t)
+    if t.device_mesh.ndim == plan.spec.mesh.ndim:
+        broadcast_from_first([local.detach()], mesh)
+        local, buffer = padded_rows(local, layout, mesh)
+    elif tuple(buffer.shape) == layout.padded_shape() and (
+            local.numel() == 0 or buffer.data_ptr() == local.data_ptr()):
+        return t
+    else:
+        buffer = local.new_zeros(layout.padded_shape())
+        valid = layout.valid_rows(mesh.get_local_rank(shard_dim(mesh))) if sharded else layout.rows
+        buffer[:valid].copy_(local)
+        local = buffer[:valid]
+    return _attach(tp.planned_dtensor(local, plan, mesh, sharded), buffer)
 
 
 def _attach(dt: DTensor, buffer: torch.Tensor) -> DTensor:
@@ -504,6 +533,8 @@ def _placed(seen: dict, p: torch.Tensor) -> torch.Tensor:
 
 def place_state_tensor(v: Any, param: torch.Tensor, mesh: DeviceMesh) -> Any:
     """An optimizer state value placed like ``param`` when it has the parameter's shape."""
+    if isinstance(v, DTensor) and getattr(param, "_spmd_plan", None) is not None and v.dim() > 0:
+        return _planned_state_placed(v, param, mesh)
     if not isinstance(v, torch.Tensor) or isinstance(v, DTensor):
         return v
     if isinstance(param, DTensor) and tuple(v.shape) == tuple(param.shape) and v.dim() > 0:
@@ -592,9 +623,11 @@ class CompiledGraph:
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
     summary: Any = None  # visualize.Summary of a program loaded from the disk cache
     values: Any = None  # guards.ValueGuards: the Python values the step read, bound to live objects
+    carrier: tuple | None = None  # (elements, dtype) of each all_reduce up to its rank check
 
     def __post_init__(self):
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
+        self._run = direct_op_calls(self.run)  # the same graph, its ops called directly
 
     @property
     def signature(self) -> StepSignature:
@@ -650,7 +683,7 @@ class CompiledGraph:
         with communication_failures("the compiled step",
                                     "Parameters and optimizer state on this rank may be partly "
                                     "updated by this step."):
-            outs = sig.split_outputs(self.run(*flat))
+            outs = sig.split_outputs(self._run(*flat))
         if sig.new_states:
             opt_of = {id(p): opt for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
             for (fqn, k), t in zip(sig.new_states, outs.new_states):
@@ -683,8 +716,7 @@ class CompiledGraph:
                 state_of[id(p)] = st
         flat += [x for n, k in sig.states
                  for x in inner_tensors(local_buffer(state_of[id(params[n])][k]))]
-        flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
-                 for v, as_tensor in zip(hparams, sig.hparams)]
+        flat += [hparam_tensor(v) if as_tensor else v for v, as_tensor in zip(hparams, sig.hparams)]
         flat += tp.graph_inputs(sa)
         if sig.grads_in:
             flat += [accumulated[n] if n in accumulated else torch.zeros(
@@ -698,6 +730,21 @@ class CompiledGraph:
             if eager is not None and eager.grads_written:  # an eager backward's, now stale
                 eager.clear_grads()
         return flat
+
+
+_HPARAM_TENSORS: dict[tuple[float, float], torch.Tensor] = {}
+
+
+def hparam_tensor(v: float) -> torch.Tensor:
+    """``v`` as the float64 0-d tensor a fused optimizer kernel reads (graphs only read it):
+    made once per value, not on every call."""
+    key = (v, math.copysign(1.0, v))
+    t = _HPARAM_TENSORS.get(key)
+    if t is None:
+        if len(_HPARAM_TENSORS) >= 64:
+            _HPARAM_TENSORS.clear()
+        t = _HPARAM_TENSORS[key] = torch.tensor(v, dtype=torch.float64)
+    return t
 
 
 class Workspaces:

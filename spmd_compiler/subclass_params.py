@@ -438,10 +438,11 @@ def shard_context(mode, mesh=None, dims=None) -> ShardContext | None:
                         shard_mesh)
 
 
-def extension_key(module: torch.nn.Module) -> tuple:
+def extension_key(module: torch.nn.Module, named: list | None = None) -> tuple:
     """The parameters that carry an all-gather hook (a step key component: hooks set on a
-    parameter after a compile make another program)."""
-    return tuple(name for name, p in module.named_parameters()
+    parameter after a compile make another program); ``named``: ``module``'s
+    ``named_parameters()``, if at hand."""
+    return tuple(name for name, p in (module.named_parameters() if named is None else named)
                  if any(hasattr(_local(p), h) for h in HOOKS))
 
 

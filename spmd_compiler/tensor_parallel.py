@@ -129,18 +129,27 @@ def dtensor_fuses(opt: torch.optim.Optimizer) -> bool:
     return op is not None and dtensor_has_rule(op)
 
 
-def plan_groups(sa) -> set[str]:
-    """The process groups of the meshes the user's plan placed parameters and inputs on."""
+def plan_groups(sa) -> dict[str, str]:
+    """The process groups of the meshes the user's plan placed parameters and inputs on, each
+    with its mesh dim's name (``tp``; ``tp<d>`` for an unnamed dim)."""
     tensors = [*sa.module.parameters(), *(sa.leaves[i] for i in sa.input_indices)]
     meshes = {plan.spec.mesh for plan in map(plan_of, tensors) if plan is not None}
-    return {m.get_group(d).group_name for m in meshes for d in range(m.ndim)}
+    return {m.get_group(d).group_name: (m.mesh_dim_names or ())[d] if m.mesh_dim_names else f"tp{d}"
+            for m in meshes for d in range(m.ndim)}
 
 
-def mark_plan_collectives(gm: torch.fx.GraphModule, groups: set[str]) -> None:
+# How each functional collective DTensor issues moves a tensor along its mesh dim.
+_PLACEMENT_CHANGE = {"all_reduce": ("P({})", "R"), "all_gather_into_tensor": ("S(0)", "R"),
+                     "reduce_scatter_tensor": ("P({})", "S(0)"), "all_to_all_single": ("S", "S"),
+                     "broadcast": ("R", "R")}
+
+
+def mark_plan_collectives(gm: torch.fx.GraphModule, groups: dict[str, str]) -> None:
     """Writes MODEL_PARALLEL (the process group) and ROLE (COLLECTIVE) on every functional
-    collective and wait the recording holds over one of the plan's ``groups``: the step's own
-    (DTensor's), not data parallelism's (an all-gather extension's gathers run over a
-    data-parallel group)."""
+    collective and wait the recording holds over one of the plan's ``groups`` (group name ->
+    mesh dim name): the step's own (DTensor's), not data parallelism's (an all-gather
+    extension's gathers run over a data-parallel group). Writes PLAN_PLACEMENT on the issue
+    nodes and ``gm.meta[PLAN_DIMS]``."""
     group_of = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or getattr(node.target, "namespace", None) != "_c10d_functional":
@@ -153,6 +162,12 @@ def mark_plan_collectives(gm: torch.fx.GraphModule, groups: set[str]) -> None:
             group_of[node] = group
             node.meta[meta.MODEL_PARALLEL] = group
             node.meta[meta.ROLE] = meta.Role.COLLECTIVE
+            change = _PLACEMENT_CHANGE.get(node.target._opname)
+            if change is not None:
+                op = next((a for a in node.args[1:] if isinstance(a, str)), "sum")
+                node.meta[meta.PLAN_PLACEMENT] = (groups[group], change[0].format(op), change[1])
+    if groups:
+        gm.meta[meta.PLAN_DIMS] = dict(groups)
 
 
 def local_of(t: Any) -> Any:
@@ -264,15 +279,17 @@ def _mesh_key(mesh: DeviceMesh) -> tuple:
 # Live state
 
 
-def stacked_placements(plan: Plan, sharded: bool) -> tuple:
-    """A planned parameter's placements on the whole mesh, data-parallel dim first, as FSDP2
-    stacks them on a TP'd parameter: ``Shard(0)`` (``_StridedShard(0, split_factor=k)`` when the
-    plan shards dim 0 in ``k`` pieces) or ``Replicate()``, then the plan's."""
+def stacked_placements(plan: Plan, sharded: bool, dp_ndim: int = 1) -> tuple:
+    """A planned parameter's placements on the whole mesh, the ``dp_ndim`` data-parallel dims
+    first, as FSDP2 stacks them on a TP'd parameter: ``Replicate()`` on the outer ones (HSDP's
+    replicate dim), then ``Shard(0)`` (``_StridedShard(0, split_factor=k)`` when the plan shards
+    dim 0 in ``k`` pieces) or ``Replicate()``, then the plan's."""
+    outer = (Replicate(),) * (dp_ndim - 1)
     if not sharded:
-        return (Replicate(),) + tuple(plan.spec.placements)
+        return outer + (Replicate(),) + tuple(plan.spec.placements)
     split = shards_of_dim(plan.spec, 0)
     first = strided_shard(0, split) if split > 1 else Shard(0)
-    return (first,) + tuple(plan.spec.placements)
+    return outer + (first,) + tuple(plan.spec.placements)
 
 
 def dp_sharded(param: DTensor, dp_mesh: DeviceMesh) -> bool:
@@ -293,7 +310,7 @@ def planned_dtensor(local: torch.Tensor, plan: Plan, dp_mesh: DeviceMesh | None,
     if dp_mesh is None:
         dt = dtensor_from_spec(local, spec)
     else:
-        dt = DTensor.from_local(local, root_mesh(dp_mesh, plan), stacked_placements(plan, sharded),
+        dt = DTensor.from_local(local, root_mesh(dp_mesh, plan), stacked_placements(plan, sharded, dp_mesh.ndim),
                                 run_check=False, shape=spec.shape, stride=spec.stride)
     dt._spmd_plan = plan
     return dt

@@ -16,7 +16,13 @@ Two kinds of patch:
   - ``free_symbols_memo``: the free symbols of a size are memoized in the fake tensor cache key;
   - ``no_tensor_meta``: make_fx's best-effort ``node.meta["tensor_meta"]`` is not written;
   - ``size_oblivious_reshape``: ``aten.reshape`` of symbolically sized tensors is recorded
-    without guards on a size being 1.
+    without guards on a size being 1;
+  - ``direct_op_calls``: the eager program's generated code calls each op overload's C++
+    callable (``OpOverload._op``) instead of the overload's Python ``__call__``, which only
+    forwards to it (``direct_op_calls``, used by runtime.CompiledGraph).
+  - ``block_reuse``: repeated blocks are recorded once and copied (spmd_compiler/block_reuse.py,
+    which uses make_fx's proxy slots and lazy size nodes through the functions here); also off
+    with ``SPMD_NO_BLOCK_REUSE``.
 
 - **Required** (the step cannot be recorded without them; their signatures are in the test):
   ``tag_regions`` (``torch.autograd.backward`` wrapped while recording), ``refuse_reentrant_
@@ -34,6 +40,7 @@ import linecache
 import logging
 import os
 import sys
+import types
 from typing import Callable
 
 import torch
@@ -67,6 +74,7 @@ from torch.fx._lazy_graph_module import (
 )
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, _MakefxTracer, get_proxy_mode
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_slot
 from torch.fx.experimental.sym_node import SymNode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, uninteresting_files
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
@@ -85,7 +93,10 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     "local_tensor", "marked_dynamic_dims",
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
-    "refuse_reentrant_checkpoint", "size_oblivious_reshape", "tag_regions",
+    "refuse_reentrant_checkpoint", "size_oblivious_reshape", "tag_regions", "direct_op_calls",
+    # block reuse (spmd_compiler/block_reuse.py)
+    "BLOCK_REUSE_OFF_ENV", "block_reuse_enabled", "proxy_node", "bind_proxy", "untraced", "sym_node",
+    "recording_into", "module_hooks",
 ]
 
 log = logging.getLogger("spmd_compiler")
@@ -168,11 +179,19 @@ def _probe_size_oblivious_reshape() -> bool:
             and hasattr(op, "_op_dk") and "size_oblivious" in _params(_compute_stride))
 
 
+def _probe_direct_op_calls() -> bool:
+    op = torch.ops.aten.detach.default
+    source = inspect.getsource(torch._ops.OpOverload.__call__)
+    return callable(getattr(op, "_op", None)) and "return self._op(*args, **kwargs)" in source
+
+
 OPTIONAL: dict[str, Callable[[], bool]] = {
     "symnode_memo": _probe_symnode_memo,
     "free_symbols_memo": _probe_free_symbols_memo,
     "no_tensor_meta": _probe_no_tensor_meta,
     "size_oblivious_reshape": _probe_size_oblivious_reshape,
+    "direct_op_calls": _probe_direct_op_calls,
+    "block_reuse": lambda: _probe_block_reuse(),
 }
 
 
@@ -375,6 +394,56 @@ def user_line_here() -> str:
     return "<unknown location>"
 
 
+def _ours_or_torch(filename: str) -> bool:
+    here = os.path.dirname(__file__)
+    return filename.startswith((os.path.dirname(torch.__file__), here,
+                                os.path.join(os.path.dirname(here), "passes"),
+                                os.path.dirname(contextlib.__file__)))
+
+
+@contextlib.contextmanager
+def rank_queries():
+    """Yields a list that collects, while the block runs, the source line of every call the
+    user's code makes to ``torch.distributed.get_rank`` or to a DeviceMesh's ``get_rank``,
+    ``get_local_rank`` or ``get_coordinate`` (torch's own calls and ours are left out): a step
+    that asks for its rank may record another program on every rank. A name bound before the
+    block (``from torch.distributed import get_rank``) is not seen."""
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    seen: list[str] = []
+
+    def watched(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            caller = sys._getframe(1)
+            if not _ours_or_torch(caller.f_code.co_filename):
+                seen.append(f'File "{caller.f_code.co_filename}", line {caller.f_lineno}')
+            return fn(*args, **kwargs)
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for owner in (torch.distributed, distributed_c10d):
+            stack.enter_context(_swapped(owner, "get_rank", watched(distributed_c10d.get_rank)))
+        for name in ("get_rank", "get_local_rank", "get_coordinate"):
+            stack.enter_context(_swapped(DeviceMesh, name, watched(getattr(DeviceMesh, name))))
+        yield seen
+
+
+def default_store():
+    """The default process group's key-value store (its rendezvous store)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def init_adam_state(opt: torch.optim.Optimizer, group: dict) -> None:
+    """Adam's (and AdamW's) own lazy state initialisation (``Adam._init_group``) for the
+    parameters of ``group`` that have a gradient, as its first ``step()`` makes it."""
+    lists: list[list] = [[] for _ in range(6)]
+    opt._init_group(group, *lists)
+
+
 @contextlib.contextmanager
 def tag_regions(key: str, forward, backward):
     """While recording: nodes recorded before and inside ``torch.autograd.backward`` (what
@@ -451,14 +520,15 @@ class StepTracer(PythonKeyTracer):
     On a 24-block GPT-2 step this halves the trace (measurements in docs/benchmarks.md).
     """
 
-    def __init__(self, root_module: torch.nn.Module):
+    def __init__(self, root_module: torch.nn.Module, blocks=None):
         super().__init__()
+        self.blocks = blocks  # spmd_compiler/block_reuse.py: runs the calls of repeated blocks
         self._paths = {}
         for name, m in root_module.named_modules(remove_duplicate=False):
             self._paths.setdefault(id(m), name)
         self._calls: dict[str, int] = {}
         self._formatted: dict[tuple, str] = {}
-        self._skip = uninteresting_files()
+        self._skip = uninteresting_files() | {os.path.join(os.path.dirname(__file__), "block_reuse.py")}
         self.code_seen: dict = {}  # code object on the stack of any recorded node -> its globals
 
     def call_module(self, m, forward, args, kwargs):
@@ -470,6 +540,8 @@ class StepTracer(PythonKeyTracer):
         key = f"{path}@{calls}" if calls else path
         self.module_stack[key] = (path, f"{type(m).__module__}.{type(m).__qualname__}")
         try:
+            if self.blocks is not None:
+                return self.blocks.call(m, forward, args, kwargs)
             return forward(*args, **kwargs)
         finally:
             self.module_stack.pop(key, None)
@@ -505,16 +577,110 @@ class StepTracer(PythonKeyTracer):
 class StepRecorder(_MakefxTracer):
     """make_fx (symbolic) recording with a ``StepTracer``."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, blocks=None):
         super().__init__(None, "symbolic", False, False, False, False, True,
                          _disable_torch_fn_metadata_mode=True)
-        self._module = module
+        self._module, self._blocks = module, blocks
 
     last_tracer: StepTracer | None = None
 
     def _construct_modes_with_fx_tracer(self, fx_tracer):
-        self.fx_tracer = self.last_tracer = StepTracer(self._module)
+        self.fx_tracer = self.last_tracer = StepTracer(self._module, self._blocks)
         super()._construct_modes_with_fx_tracer(self.fx_tracer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block reuse (spmd_compiler/block_reuse.py): a repeated block's nodes are copied into the
+# recording instead of recorded again. Needs make_fx's proxy slots (which graph node a fake
+# tensor or a symbolic size stands for), a way to run fake ops without recording them, and the
+# tracer's graph swapped for a scratch graph while a block's backward is recorded once.
+
+BLOCK_REUSE_OFF_ENV = "SPMD_NO_BLOCK_REUSE"
+untraced = disable_proxy_modes_tracing  # fake ops run, nothing is recorded
+
+
+def block_reuse_enabled() -> bool:
+    """Is block reuse on? Off with ``SPMD_NO_BLOCK_REUSE=1`` (or ``SPMD_NO_TORCH_PATCHES=1``),
+    on another torch, or when its probe fails: every block is then recorded as it runs."""
+    return not os.environ.get(BLOCK_REUSE_OFF_ENV) and enabled("block_reuse")
+
+
+def _probe_block_reuse() -> bool:
+    from torch.utils._thunk import Thunk
+
+    tracer = PythonKeyTracer()
+    proxy_tensor._init_proxy_trackers(tracer)
+    return (_params(proxy_tensor.track_tensor) == ["tensor", "proxy", "constant", "tracer"]
+            and _params(get_proxy_slot)[:2] == ["obj", "tracer"]
+            and isinstance(tracer.symnode_tracker, proxy_tensor._SymNodeDict)
+            and hasattr(tracer.symnode_tracker, "sym_node_dict")
+            and isinstance(tracer.sympy_expr_tracker, dict)
+            and set(Thunk.__slots__) == {"f", "r"}
+            and hasattr(torch.nn.modules.module, "_global_forward_hooks"))
+
+
+def proxy_node(t, tracer) -> torch.fx.Node:
+    """The graph node that fake tensor ``t`` stands for in ``tracer``'s recording."""
+    return get_proxy_slot(t, tracer).proxy.node
+
+
+def bind_proxy(t: torch.Tensor, tracer, node: torch.fx.Node, like: torch.Tensor | None = None,
+               ) -> None:
+    """Make fake tensor ``t`` stand for ``node`` in ``tracer``'s recording, as make_fx binds an
+    op's result (its sizes get ``sym_size`` nodes of ``node`` when first used). With ``like`` (a
+    tensor ``t`` aliases), ``t``'s symbolic sizes stand for what ``like``'s stand for."""
+    if like is not None:
+        pairs = zip((*t.shape, *t.stride(), t.numel(), t.storage_offset()),
+                    (*like.shape, *like.stride(), like.numel(), like.storage_offset()))
+        sym = tracer.symnode_tracker
+        for a, b in pairs:
+            if isinstance(a, torch.SymInt) and a not in sym and b in sym:
+                sym[a] = sym[b]
+    with disable_proxy_modes_tracing():  # as make_fx binds: size arithmetic not recorded
+        proxy_tensor.track_tensor(t, torch.fx.Proxy(node, tracer), constant=None, tracer=tracer)
+
+
+def sym_node(value, tracer) -> torch.fx.Node:
+    """The graph node of a symbolic size (a ``sym_size`` node made now if not made yet)."""
+    return get_proxy_slot(value, tracer).force().node
+
+
+def module_hooks(m: torch.nn.Module) -> bool:
+    """Has ``m`` (or every module, globally) a forward or backward hook?"""
+    g = torch.nn.modules.module
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks or g._global_forward_hooks
+                or g._global_forward_pre_hooks or g._global_backward_hooks
+                or g._global_backward_pre_hooks)
+
+
+@contextlib.contextmanager
+def recording_into(tracer, scratch: torch.fx.Graph):
+    """Nodes ``tracer`` records go to ``scratch`` instead of its graph. Symbolic sizes first
+    given a node there (make_fx creates ``sym_size`` nodes lazily) are forgotten afterwards, so
+    the real graph never uses a scratch node: they get their node in the real graph when next
+    used, as if the scratch recording had not happened."""
+    from torch.utils._thunk import Thunk
+
+    graph = tracer.graph
+    sym, exprs = tracer.symnode_tracker.sym_node_dict, tracer.sympy_expr_tracker
+    known, known_exprs = set(sym), set(exprs)
+    lazy = [(t, t.f) for t in sym.values() if isinstance(t, Thunk) and t.f is not None]
+    lazy += [(v.proxy, v.proxy.f) for v in exprs.values()
+             if isinstance(v.proxy, Thunk) and v.proxy.f is not None]
+    tracer.graph = scratch
+    try:
+        yield
+    finally:
+        tracer.graph = graph
+        for key in set(sym) - known:
+            del sym[key]
+        for key in set(exprs) - known_exprs:
+            del exprs[key]
+        for thunk, f in lazy:
+            if thunk.f is None and getattr(thunk.r, "node", None) is not None \
+                    and thunk.r.node.graph is scratch:
+                thunk.f, thunk.r = f, None
 
 
 class InputShapeEnv(ShapeEnv):
@@ -608,3 +774,47 @@ def dtensor_op_handlers(handlers: dict):
 
 def _dispatch_to(fn, own, op, args, kwargs):
     return fn(op, args, kwargs, own)
+
+
+# ---------------------------------------------------------------------------------------------
+# direct_op_calls
+
+
+class _DirectOps:
+    """``torch`` as the generated code of an FX graph reads it, with ``torch.ops.<ns>.<op>.
+    <overload>`` resolved once to the overload's C++ callable (``OpOverload.__call__`` only
+    forwards to it). Every other attribute is torch's own; each is looked up once, then read
+    from this object's ``__dict__``."""
+
+    def __init__(self, target):
+        object.__setattr__(self, "_target", target)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._target, name)
+        if isinstance(value, torch._ops.OpOverload):
+            value = value._op
+        elif isinstance(value, (torch._ops._Ops, torch._ops._OpNamespace,
+                                torch._ops.OpOverloadPacket)):
+            value = _DirectOps(value)
+        object.__setattr__(self, name, value)
+        return value
+
+
+def direct_op_calls(run: Callable) -> Callable:
+    """``run`` (a GraphModule, or ``functools.partial(forward, owner)`` of a program loaded from
+    the disk cache) as a function of the same flat inputs whose ops are called directly
+    (``_DirectOps``), skipping the module call machinery; ``run`` itself when the patch is off
+    or ``run`` is something else."""
+    if isinstance(run, torch.fx.GraphModule):
+        _LazyGraphModule.force_recompile(run)
+        fn, owner = type(run).forward, run
+    elif isinstance(run, functools.partial) and len(run.args) == 1 and not run.keywords:
+        fn, owner = run.func, run.args[0]
+    else:
+        return run
+    if not (isinstance(fn, types.FunctionType) and fn.__globals__.get("torch") is torch
+            and enabled("direct_op_calls")):
+        return run
+    namespace = dict(fn.__globals__, torch=_DirectOps(torch))
+    fast = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    return functools.partial(fast, owner)

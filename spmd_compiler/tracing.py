@@ -68,6 +68,8 @@ from .accumulation import ACCUMULATE, accumulating
 from .signature import StepSignature, split_inputs
 from . import tensor_parallel as tp
 from .halo_conv import halo_convolution
+from .call_args import flatten_step_args
+from . import block_reuse
 
 LIFTED_HPARAMS = ("lr",)
 
@@ -157,7 +159,7 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
     ``dynamic_dims`` (an int, or a pytree of ints/None over the batch arguments) names a
     non-batch dim per input to trace as a symbolic size; so does ``torch._dynamo.mark_dynamic``
     on an input tensor."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = flatten_step_args(args, kwargs)
     modules = [i for i, x in enumerate(leaves) if isinstance(x, torch.nn.Module)]
     optimizers = [i for i, x in enumerate(leaves) if isinstance(x, torch.optim.Optimizer)]
     if len(modules) != 1:
@@ -370,7 +372,7 @@ def record(fn: Callable, module: torch.nn.Module, codes: dict | None = None,
     """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
     the path of the submodule of ``module`` they were recorded in. Adds to ``codes`` every code
     Python file with code on the stack of a recorded node."""
-    recorder = StepRecorder(module)
+    recorder = StepRecorder(module, block_reuse.for_recording(module))
 
     def run(*args):
         try:
@@ -424,8 +426,13 @@ def trace_step(
     dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
     entangled: list[tuple[int, int, str]] = []
     while True:
-        traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation, lift,
-                              shard)
+        try:
+            traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation,
+                                  lift, shard)
+        except block_reuse.BlockMismatch:  # a repeated block's copy does not fit: record all
+            with block_reuse.reuse_off():
+                traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation,
+                                      lift, shard)
         tied = _dims_tied_to_batch(traced, sa)
         if not tied:
             traced.entangled = entangled

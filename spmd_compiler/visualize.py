@@ -26,10 +26,10 @@ from tabulate import tabulate
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_compiler.passes.memory_plan import lifetimes
-from spmd_compiler.passes.expand import mesh_dim_of
+from spmd_compiler.passes.expand import collective_dim
 from spmd_compiler.passes.meta import (
-    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT, REGION, ROLE,
-    STATE_KEY, WORKSPACES, Role,
+    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT,
+    PLAN_DIMS, PLAN_PLACEMENT, REGION, ROLE, STATE_KEY, WORKSPACES, Role,
 )
 
 from .torch_internals import _StridedShard
@@ -293,6 +293,9 @@ def _node_label(node: fx.Node, role: str, sizer: _Sizer) -> str:
         head = collective_kind(node) + (f" ({reduce_op})" if reduce_op else "")
         size = fmt_bytes(nbytes) + (" (batch-dependent)" if symbolic else "")
         lines = [head, size]
+        if PLAN_PLACEMENT in node.meta:  # a tensor-parallel plan's: its dim, placement change
+            dim, before, after = node.meta[PLAN_PLACEMENT]
+            lines.append(f"{dim}: {before} -> {after}")
         if info.get("params"):
             lines.append(_short_list(info["params"]))
         return "\n".join(lines)
@@ -851,10 +854,11 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     by_kind: dict[str, CollectiveStat] = {}
     by_bucket: dict[int, BucketStat] = {}
     several_dims = len(gm.meta.get(MESH_DIMS) or ()) > 1
+    labelled = len(gm.meta.get(MESH_DIMS) or ()) + len(gm.meta.get(PLAN_DIMS) or ()) > 1
     for n in collective_nodes(gm):
         kind = collective_kind(n)
-        if several_dims:  # on a mesh of several dims: which dim it runs on
-            kind = f"{kind} (mesh dim {mesh_dim_of(gm, n)})"
+        if labelled:  # on a mesh of several dims: which dim it runs on (a plan's: by name)
+            kind = f"{kind} ({collective_dim(gm, n)})"
         nbytes, symbolic = collective_bytes(n, sizer)
         stat = by_kind.setdefault(kind, CollectiveStat(kind, 0, 0, False))
         stat.count += 1

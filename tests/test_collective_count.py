@@ -126,9 +126,7 @@ def test_replicate_issues_no_more_collectives_than_ddp(pool2, case):
     for check_ranks in (False, True):
         counts = pool2.run(_count_job, case, check_ranks)[0]
         assert counts["spmd"] == counts["summary"], (check_ranks, counts)
-        if not check_ranks or case == "conv_bn":
-            # the per-call agreement adds one all_reduce; with buffers DDP's broadcast per dtype
-            # leaves room for it
-            assert counts["spmd"] <= counts["ddp"], (check_ranks, counts)
-        else:
-            assert counts["spmd"] == counts["ddp"] + 1, counts
+        # the per-call agreement rides in the first gradient all_reduce (SimpleMLP); with
+        # buffers broadcast first it keeps its own all_reduce, and DDP's broadcast per dtype
+        # leaves room for it
+        assert counts["spmd"] <= counts["ddp"], (check_ranks, counts)

@@ -22,7 +22,7 @@ def _outcome(fn):
         fn()
         return ("ok", None)
     except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-        return (type(e).__name__, str(e))
+        return (type(e).__name__, " ".join([str(e), *getattr(e, "__notes__", [])]))
 
 
 def _compiled(mode: str, step_fn=train_step, edit_model=None, **sgd):
@@ -95,5 +95,46 @@ def test_compile_error_on_one_rank_reaches_all(pool):
     results = pool.run(_failing_compile_on_rank0, timeout=120)
     assert results[0][0] == "TraceError", results[0]
     for rank, (kind, message) in enumerate(results[1:], start=1):
-        assert kind == RankMismatchError.__name__, f"rank {rank}: {kind}: {message}"
-        assert "rank 0" in message and "TraceError" in message
+        # rank 0 compiles the program for every rank (shared_compile.py): its error is raised
+        # on each, as rank 0 raised it, with a note naming rank 0
+        assert kind == "TraceError", f"rank {rank}: {kind}: {message}"
+        assert "raised while compiling on rank 0" in message and "loss > 0" in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# The agreement carried in the first gradient all_reduce
+
+
+def _bad_arguments_on_rank1_after_compiling():
+    """Rank 1 passes a batch whose inputs disagree on the batch size (rejected before any
+    program runs) while rank 0 runs its cached program, whose check rides in the gradient
+    all_reduce; then both run a good step: nothing was changed by the stopped one."""
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = spmd_compile(DataParallel("replicate"))(train_step)
+    for _ in range(2):
+        step(model, opt, _batch(8))
+    carrier = step._carrier
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _batch(8)
+    bad = (x, y[:5]) if dist.get_rank() == 1 else (x, y)
+    outcome = _outcome(lambda: step(model, opt, bad))
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    after = _outcome(lambda: step(model, opt, _batch(8)))
+    return carrier, outcome, unchanged, after, step.compile_count
+
+
+@pytest.mark.parametrize("pool", [2, 3], indirect=True)
+def test_rank_rejecting_its_arguments_stops_the_carried_check(pool):
+    results = pool.run(_bad_arguments_on_rank1_after_compiling, timeout=120)
+    for rank, (carrier, outcome, unchanged, after, compiles) in enumerate(results):
+        assert carrier == ((1914, "torch.float32"),), (rank, carrier)  # the gradient bucket + header
+        if rank == 1:
+            assert outcome[0] != "ok" and outcome[0] != RankMismatchError.__name__, outcome
+        else:
+            assert outcome[0] == RankMismatchError.__name__, (rank, outcome)
+            assert "rejected their step arguments" in outcome[1]
+        assert unchanged, f"rank {rank}: the stopped step changed parameters"
+        assert after == ("ok", None) and compiles == 2, (rank, after, compiles)
+

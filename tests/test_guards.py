@@ -251,3 +251,24 @@ def test_a_counter_becomes_an_input(pool2, mode):
     for rep in _case(pool2, mode, "counter"):
         # the counter changes every call: its first change records it as an input
         assert rep["facts"]["counts"] == [1, 2, 2, 2, 2, 2], rep["facts"]["counts"]
+
+
+def test_module_walk_lists_what_named_members_list():
+    """The step key's one walk over the model (module_walk.py) gives the modules, parameters
+    and buffers, names and order of named_modules / named_parameters / named_buffers, with
+    tied weights, a module used twice, a None child and a None parameter."""
+    from spmd_compiler.module_walk import walk
+    from tests.models import BatchNormMLP, TiedMLP
+
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(TiedMLP(), BatchNormMLP(), shared, nn.ReLU(), shared,
+                          nn.Sequential(shared, nn.Linear(4, 2, bias=False)))
+    model.add_module("empty", None)
+    tree = walk(model)
+    assert tree.modules == list(model.modules())
+    assert [(n, id(p)) for n, p in tree.params] == [(n, id(p)) for n, p in model.named_parameters()]
+    assert [(n, id(b)) for n, b in tree.buffers] == [(n, id(b)) for n, b in model.named_buffers()]
+    from spmd_compiler.module_walk import tensors
+
+    assert [id(p) for p in tensors(model)] == [id(p) for p in model.parameters()]
+    assert [id(b) for b in tensors(model, "_buffers")] == [id(b) for b in model.buffers()]

@@ -1,5 +1,5 @@
 """Unit tests of single passes on small hand-built graphs (one process, no tracing): cleanup,
-grad_outputs, gloo_collectives, schedule, memory_plan and recompute. Each graph is written node
+grad_outputs, gloo_collectives, dedup_collectives, bucketing of a plan's collectives, schedule, memory_plan and recompute. Each graph is written node
 by node with the meta the pass reads (REGION, ROLE, COLLECTIVE, SYNCED_GRAD, fake ``val``s)."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from spmd_compiler.passes import meta
+from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.cleanup import eliminate_dead_code, remove_profiler_nodes
 from spmd_compiler.passes.collectives import aten, c10d
+from spmd_compiler.passes.dedup_collectives import deduplicate_collectives
 from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
 from spmd_compiler.passes.grad_outputs import output_gradients
 from spmd_compiler.passes.memory_plan import plan_static_memory
@@ -246,7 +248,7 @@ def test_graph_nodes_read_no_module_state():
     from spmd_compiler.signature import StepSignature
 
     nbytes = 512 * 512 * 4  # 1 MiB each: planned
-    gm = lower(_two_temporaries(512), "eager", rank_check=await_agreement)
+    gm = lower(_two_temporaries(512), "eager", rank_check=(await_agreement, None))
     assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "workspace", "agreement"]
     assert gm.meta[meta.WORKSPACES] == [("cpu", 2 * nbytes)]
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
@@ -328,3 +330,99 @@ def test_recompute_with_full_budget_changes_nothing():
     gm = _saved_activation()
     before = _order(gm)
     assert _order(recompute_activations(gm, budget=1.0)) == before
+
+
+# ------------------------------------------------------------------------- dedup_collectives
+
+
+def _twice_reduced(second_group: str = "g", second_op: str = "sum", write=None,
+                   late_first_wait: bool = False) -> fx.GraphModule:
+    """x all-reduced twice (the second on ``second_group`` with ``second_op``), each result read
+    once; ``write(b, x)`` adds nodes between the two; ``late_first_wait``: the first wait after
+    the second collective's."""
+    b = _Builder()
+    x = b.input("x", 4)
+    val = x.meta["val"]
+    issue1 = b.call(c10d.all_reduce.default, x, "sum", "g", val=val, **{meta.ROLE: meta.Role.COLLECTIVE})
+    wait1 = None if late_first_wait else b.call(c10d.wait_tensor.default, issue1, val=val)
+    if write is not None:
+        write(b, x)
+    _, wait2 = b.collective(c10d.all_reduce.default, x, second_op, second_group, region=FWD,
+                            val=val, kind="all_reduce")
+    if late_first_wait:
+        wait1 = b.call(c10d.wait_tensor.default, issue1, val=val)
+    return b.done(b.call(aten.mul.Tensor, wait1, 2), b.call(aten.add.Tensor, wait2, 1))
+
+
+def _all_reduces(gm) -> int:
+    return _targets(gm).count(c10d.all_reduce.default)
+
+
+@pytest.mark.parametrize("late_first_wait", [False, True])
+def test_dedup_reduces_a_value_once(one_rank_gloo, late_first_wait):
+    def build():
+        gm = _twice_reduced(late_first_wait=late_first_wait)
+        for n in gm.graph.nodes:  # the real one-rank group
+            if n.target is c10d.all_reduce.default:
+                n.args = (n.args[0], n.args[1], one_rank_gloo)
+        gm.recompile()
+        return gm
+
+    x = torch.arange(4.0)
+    want = build()(x)
+    gm = deduplicate_collectives(build())
+    gm.graph.lint()
+    assert _all_reduces(gm) == 1 and _targets(gm).count(c10d.wait_tensor.default) == 1
+    assert "1 collective" in gm.meta[meta.NOTES]["dedup"]
+    for got, expected in zip(gm(x), want):
+        torch.testing.assert_close(got, expected)
+
+
+def _write_x(b, x):
+    b.call(aten.add_.Tensor, x, 1)
+
+
+def _write_a_view_of_x(b, x):
+    b.call(aten.mul_.Tensor, b.call(aten.view.default, x, [2, 2]), 3)
+
+
+@pytest.mark.parametrize("variant", [dict(second_group="h"), dict(second_op="max"),
+                                     dict(write=_write_x), dict(write=_write_a_view_of_x)],
+                         ids=["other group", "other reduction", "input written between",
+                              "a view of the input written between"])
+def test_dedup_keeps_collectives_that_differ(variant):
+    gm = deduplicate_collectives(_twice_reduced(**variant))
+    assert _all_reduces(gm) == 2 and meta.NOTES not in gm.meta
+
+
+# ------------------------------------------------------------ bucketing: a plan's all_reduces
+
+
+def _plan_reduce(b, x, group):
+    """DTensor's all_reduce of ``x`` on ``group``, as the tracer marks it."""
+    marks = {meta.ROLE: meta.Role.COLLECTIVE, meta.MODEL_PARALLEL: group}
+    issue = b.call(c10d.all_reduce.default, x, "sum", group, region=BWD, val=x.meta["val"],
+                   **marks, **{meta.PLAN_PLACEMENT: ("tp", "P(sum)", "R")})
+    return issue, b.call(c10d.wait_tensor.default, issue, region=BWD, val=x.meta["val"], **marks)
+
+
+def test_plan_all_reduces_bucket_within_their_group_only():
+    """Three independent reductions on "tp" and one on "tp2": the "tp" ones become one
+    all_reduce, the other group's keeps its own; a reduction whose result is read before a
+    later one is issued, or that reads an earlier one's, starts a new bucket."""
+    b = _Builder()
+    xs = [b.input(f"x{i}", 3, role=meta.Role.INPUT) for i in range(6)]
+    _, w0 = _plan_reduce(b, xs[0], "tp")
+    _, w1 = _plan_reduce(b, xs[1], "tp")
+    _, other = _plan_reduce(b, xs[2], "tp2")
+    _, w2 = _plan_reduce(b, xs[3], "tp")
+    early = b.call(aten.mul.Tensor, w2, 2, region=BWD)  # read before the next one is issued
+    _, w3 = _plan_reduce(b, xs[4], "tp")
+    _, w4 = _plan_reduce(b, b.call(aten.add.Tensor, w3, xs[5], region=BWD), "tp")  # reads w3
+    gm = bucket_collectives(b.done(w0, w1, other, early, w4), first_bucket_cap_mb=1.0)
+    gm.graph.lint()
+    issues = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    by_group = [(n.args[2], n.meta.get(meta.BUCKET) is not None) for n in issues]
+    # w0 + w1 + w2 in one bucket; w3 alone (w2 is read before it); w4 alone (reads w3)
+    assert by_group == [("tp2", False), ("tp", True), ("tp", False), ("tp", False)], by_group
+    assert all(n.meta[meta.MODEL_PARALLEL] == n.args[2] for n in issues)

@@ -13,6 +13,7 @@ from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.collectives import COLLECTIVE_OPS, c10d
 from spmd_compiler.passes.expand import expand_fully_shard
 from spmd_compiler.passes.fully_shard import shard_rows
+from spmd_compiler.passes.identity_views import skip_identity_views
 from spmd_compiler.passes.inplace import gather_into_preallocated, reduce_in_place
 from spmd_compiler.passes.overlap import sink_waits
 from spmd_compiler.passes.rank_check import place_rank_check
@@ -256,6 +257,47 @@ def test_rank_check_runs_before_any_collective_or_state_update(model):
     gm.graph.lint()
 
 
+class _Carrier:
+    """Stands in for consistency.RankCheck: the agreement's header rides in an all_reduce."""
+
+    group, length = "g", 18
+
+    @staticmethod
+    def header(agreement, scale, dtype):
+        return torch.zeros(18, dtype=dtype)
+
+    @staticmethod
+    def check(agreement, reduced):
+        pass
+
+
+@pytest.mark.parametrize("model", ["mlp", "batchnorm"])
+def test_rank_check_rides_in_the_first_gradient_bucket(model):
+    """The header joins the bucket's cat; the check follows the bucket's wait, before any other
+    collective or state update. BatchNorm's buffers are broadcast first: no carrier there."""
+    tr = _traced(BatchNormMLP() if model == "batchnorm" else None, momentum=0.9)
+    gm = reduce_in_place(bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=WORLD)))
+    sizes = [int(n.meta["val"].numel()) for n in _calls(gm, c10d.all_reduce_.default)]
+    gm = place_rank_check(gm, _rank_check, _Carrier)
+    if model == "batchnorm":
+        assert _calls(gm, _rank_check) and not _calls(gm, _Carrier.check)
+        assert "agreement carrier" not in gm.meta
+        return
+    assert not _calls(gm, _rank_check)
+    (header,) = _calls(gm, _Carrier.header)
+    (check,) = _calls(gm, _Carrier.check)
+    (cat,) = header.users
+    assert cat.target is torch.ops.aten.cat.default and cat.args[0][-1] is header
+    (bucket,) = _calls(gm, c10d.all_reduce_.default)
+    assert bucket.args[0].args[0] is cat and header.args[1] == WORLD  # divided in place by it
+    assert check.args[1].target is c10d.wait_tensor.default and check.prev is check.args[1]
+    assert gm.meta["agreement carrier"] == ((sizes[0] + 18, "torch.float32"),)
+    nodes = list(gm.graph.nodes)
+    before = nodes[:nodes.index(check)]
+    assert not [n for n in before if n.meta.get(meta.REGION) == meta.Region.OPTIMIZER]
+    gm.graph.lint()
+
+
 def test_bucketing_never_merges_a_collective_with_one_it_depends_on():
     """b's input reads a's averaged result, so a and b must stay separate collectives."""
     graph = torch.fx.Graph()
@@ -384,3 +426,29 @@ def test_gather_into_preallocated_uses_the_out_form_on_an_empty_of_the_gathered_
         assert n.args[1:] == (WORLD, "g")
         assert [u.target for u in n.users] == [c10d.wait_tensor.default]
     gm.graph.lint()
+
+
+def test_identity_views_dropped():
+    """detach, t(t(w)) and a view to its own shape are gone from the lowered graph (the parity
+    tests run graphs lowered so), and a view that is an output stays."""
+    tr = _traced(momentum=0.9)
+    gm = reduce_in_place(bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=1)))
+    aten = torch.ops.aten
+    before = len(gm.graph.nodes)
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    slim = skip_identity_views(torch.fx.GraphModule(gm, graph))
+    assert not _calls(slim, aten.detach.default)
+    assert len(slim.graph.nodes) < before
+    for node in _calls(slim, aten.t.default):
+        assert node.args[0].target is not aten.t.default
+    for node in _calls(slim, aten.view.default) + _calls(slim, aten.reshape.default):
+        assert list(node.args[1]) != list(node.args[0].meta["val"].shape)
+    # an output that is a detach keeps it
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(3)
+    d = g.call_function(aten.detach.default, (x,))
+    g.output((d,))
+    kept = skip_identity_views(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert _calls(kept, aten.detach.default)

@@ -406,10 +406,14 @@ def compile_line_job() -> list[str]:
     try:
         torch.manual_seed(0)
         model = Net()
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        # SGD with momentum creates its state in a program of its own (Adam's is made before
+        # recording: optimizer_state.py)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         step = spmd_compile(DataParallel("replicate"))(_plain_step)
         for i in range(3):
             step(model, opt, _batch(i))
+        for length in (5, 7):  # a 3-D batch, then another size of a dim held as a constant
+            step(model, opt, rank_data(200 + length, (6, length, 8), (6, length, 4)))
         logging.getLogger("spmd_compiler").setLevel(logging.WARNING)  # the usual switch
         spmd_compile(DataParallel("replicate"))(_plain_step)(model, opt, _batch(3))
     finally:
@@ -421,6 +425,9 @@ def compile_line_job() -> list[str]:
 def test_a_long_compile_prints_one_line_and_why_it_compiled_again(pool2):
     lines, other = pool2.run(compile_line_job)
     assert other == [], other  # rank 0 only
-    assert len(lines) == 2, lines
+    assert len(lines) == 4, lines
     assert lines[0].startswith("spmd_compiler: compiled _plain_step (replicate, ") and "traced" in lines[0]
     assert "compiled again because the optimizer created its state on the first call" in lines[1]
+    assert "compiled again because the batch's dtypes, devices or dimensions changed" in lines[2]
+    assert ("compiled again because argument 2[0] has size 7 in dim 1; the program was compiled "
+            "for size 5 there") in lines[3], lines[3]

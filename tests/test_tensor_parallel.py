@@ -181,6 +181,46 @@ def test_transformer_tp_alone(pool2, use_seq_parallel):
         assert rep["tied"], "output.weight is no longer tok_embeddings.weight"
     counts = reps[0]["counts"]
     assert sum(counts["compiled"].values()) <= sum(counts["eager"].values()), counts
+    if use_seq_parallel:  # eager: each of the 10 norm gradients reduced three times; compiled:
+        assert counts["compiled"]["all_reduce"] == 1, counts  # once, in one bucket on tp
+
+
+def foreach_adam_sp_job():
+    """Sequence parallel with the optimizer's own foreach Adam recorded (fuse_optimizer=False,
+    a 1 x 2 dp x tp mesh): every op of Adam that reads a norm's Partial gradient asks DTensor for
+    its reduction, as in eager; passes/dedup_collectives.py keeps one per gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    base = Transformer(ModelArgs(dropout_p=0.0, n_layers=2, vocab_size=16, max_seq_len=8, dim=16))
+    eager, compiled = (Transformer.parallelize(copy.deepcopy(base), mesh["tp"], True,
+                                               local_output_for_attn=True) for _ in range(2))
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2, foreach=True) for m in (eager, compiled)]
+    step = spmd_compile(DataParallel("replicate", fuse_optimizer=False), mesh=mesh)(token_ce_step)
+    chk, counts = ParityChecker(), {}
+    for i in range(STEPS):
+        torch.manual_seed(100 + i)
+        tokens, target = torch.randint(16, (4, 8)), torch.randint(16, (4, 8))
+        counts["eager"] = eager_counts(lambda: token_ce_step(eager, opts[0], tokens, target))
+        step(compiled, opts[1], tokens, target)
+    compare_models(chk, "vs eager TP", compiled, opts[1], eager, opts[0])
+    counts["compiled"] = collective_nodes(step)
+    return dict(problems=chk.problems, counts=counts)
+
+
+def test_partial_gradient_reduced_once(pool2):
+    reps = pool2.run(foreach_adam_sp_job, timeout=600)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    eager, compiled = reps[0]["counts"]["eager"], reps[0]["counts"]["compiled"]
+    # eager: 30 all_reduces (each of the 10 norm gradients three times); compiled: each once
+    assert compiled["all_reduce"] * 2 < eager["all_reduce"], (eager, compiled)
+    assert {k: v for k, v in compiled.items() if k != "all_reduce"} == \
+        {k: v for k, v in eager.items() if k != "all_reduce"}, (eager, compiled)
 
 
 class TiedModule(torch.nn.Module):
@@ -282,6 +322,31 @@ def dp_averaged_step(model, optim, x, y, group):
     return loss
 
 
+def check_eager_use(chk: ParityChecker, compiled, eager, style: str, mesh) -> None:
+    """``model(x)`` outside the compiled step (each dp rank its own x): the output without grad,
+    then an eager forward + backward whose gradients (averaged over dp) match the reference's
+    (FSDP2 + TP, or TP with gradients all-reduced over dp)."""
+    torch.manual_seed(7 + 1000 * mesh["dp"].get_local_rank())
+    x, y = torch.rand(8, 10), torch.rand(8, 10)
+    eager.zero_grad()  # its last step left its gradients
+    ref_out = eager(x)  # (on torch 2.13 FSDP2+TP gave wrong gradients after a no_grad forward)
+    ((ref_out - y) ** 2).mean().backward()
+    with torch.no_grad():
+        chk.close("loss", "model(x) outside the step", compiled(x), ref_out)
+    compiled.zero_grad()
+    ((compiled(x) - y) ** 2).mean().backward()
+    if style == "replicate":
+        for p in eager.parameters():
+            dist.all_reduce(p.grad.to_local(), group=mesh["dp"].get_group())
+            p.grad.to_local().div_(mesh["dp"].size())
+    ref = dict(eager.named_parameters())
+    for n, p in compiled.named_parameters():
+        chk.check(p.grad is not None and p.grad.placements == p.placements,
+                  f"{n}: eager backward's grad {getattr(p.grad, 'placements', None)}")
+        if p.grad is not None:
+            chk.close("param", f"{n}.grad of an eager backward", full(p.grad), full(ref[n].grad))
+
+
 def dp_tp_job(style: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -312,6 +377,7 @@ def dp_tp_job(style: str):
         loss = step(compiled, opts[1], x, y)
         chk.close("loss", f"step {i} loss", loss, ref)
     compare_models(chk, f"vs eager {style}", compiled, opts[1], eager, opts[0])
+    check_eager_use(chk, compiled, eager, style, mesh)
     placements = {}
     for (n, p), (_, q) in zip(compiled.named_parameters(), eager.named_parameters()):
         placements[n] = (str(p.placements), p.device_mesh.mesh_dim_names, tuple(p.to_local().shape))
@@ -320,7 +386,68 @@ def dp_tp_job(style: str):
                       f"{n}: {p.placements} {tuple(p.to_local().shape)} vs FSDP2's "
                       f"{q.placements} {tuple(q.to_local().shape)}")
     return dict(problems=chk.problems, max_err=chk.max_err, placements=placements,
-                counts=collective_nodes(step))
+                counts=collective_nodes(step), shown=shown_collectives(step))
+
+
+def shown_collectives(step) -> dict:
+    """How the summary, the cross-rank program description and the graph dump show the
+    collectives of the last compiled graph."""
+    from spmd_compiler.api import summary_text
+    from spmd_compiler.consistency import describe_graph
+    from spmd_compiler.visualize import graph_to_dot
+
+    gm = step.last_compiled.traced.gm
+    return dict(summary=summary_text(step),
+                described=[(op.split(".")[-2], dim) for op, _, _, dim in
+                           describe_graph(gm)["collective sequence"]],
+                dump=graph_to_dot(gm, "final").source)
+
+
+def hybrid_tp_job(shape: tuple[int, int]):
+    """hybrid_shard x TP on a 3-D mesh (replicate, shard, tp) against eager FSDP2's HSDP on the
+    TP'd model (``fully_shard(model, mesh=mesh["replicate", "shard"])``), each dp rank its own
+    batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (*shape, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    torch.manual_seed(0)
+    base = MLPModule("cpu")
+    eager = fully_shard(parallelize_module(copy.deepcopy(base), mesh["tp"], plan),
+                        mesh=mesh["replicate", "shard"])
+    compiled = parallelize_module(copy.deepcopy(base), mesh["tp"], plan)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    step = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh)(mse_adam_step)
+    chk = ParityChecker()
+    coordinate = mesh.get_coordinate()
+    dp_rank = coordinate[0] * shape[1] + coordinate[1]
+    for i in range(STEPS):
+        torch.manual_seed(100 + i + 1000 * dp_rank)
+        x, y = torch.rand(8, 10), torch.rand(8, 10)
+        chk.close("loss", f"step {i} loss", step(compiled, opts[1], x, y),
+                  mse_adam_step(eager, opts[0], x, y))
+    compare_models(chk, "vs eager HSDP + TP", compiled, opts[1], eager, opts[0])
+    for (n, p), (_, q) in zip(compiled.named_parameters(), eager.named_parameters()):
+        chk.check(p.placements == q.placements and p.to_local().shape == q.to_local().shape,
+                  f"{n}: {p.placements} {tuple(p.to_local().shape)} vs FSDP2's "
+                  f"{q.placements} {tuple(q.to_local().shape)}")
+    torch.manual_seed(7 + 1000 * dp_rank)
+    x = torch.rand(8, 10)
+    with torch.no_grad():
+        chk.close("loss", "model(x) outside the step", compiled(x), eager(x))
+    return dict(problems=chk.problems, counts=collective_nodes(step))
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)], ids=["2x1x2", "1x2x2"])
+def test_hybrid_shard_x_tp(pool4, shape):
+    reps = pool4.run(hybrid_tp_job, shape, timeout=600)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
 
 
 @pytest.mark.parametrize("style", ["fully_shard", "replicate"])
@@ -330,6 +457,14 @@ def test_dp_x_tp(pool4, style):
     assert p["net2.weight"][1] == ("dp", "tp"), p
     want = "(Shard(dim=0), Shard(dim=1))" if style == "fully_shard" else "(Replicate(), Shard(dim=1))"
     assert p["net2.weight"][0] == want, p
+    # the plan's all_reduce, on the tp dim, next to data parallelism's collectives on dp
+    shown = reps[0]["shown"]
+    assert "all_reduce (plan dim tp)" in shown["summary"], shown["summary"]
+    assert ("all_reduce", "plan dim tp") in shown["described"], shown["described"]
+    dp_kind = "reduce_scatter_tensor" if style == "fully_shard" else "all_reduce"
+    assert (dp_kind, "mesh dim 0") in shown["described"], shown["described"]
+    assert "tp: P(sum) -&gt; R" in shown["dump"] or "tp: P(sum) -> R" in shown["dump"]
+    assert [r["shown"]["described"] for r in reps] == [shown["described"]] * 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -454,3 +589,90 @@ def test_plan_errors(pool2):
         kind, text, unchanged = rep[name]
         assert want in text and kind == "TensorParallelError", (name, kind, text)
         assert unchanged, f"{name}: parameters or optimizer state changed before the error"
+
+
+# --------------------------------------------------------------------------------------------------
+# DCP checkpoints between eager FSDP2 + TP and the compiled step (2 x 2)
+# --------------------------------------------------------------------------------------------------
+
+
+def dcp_job(folder: str):
+    """Checkpoints (torch.distributed.checkpoint, model and optimizer) move both ways between
+    eager FSDP2 + TP and the compiled fully_shard x TP step; training then continues and matches
+    eager FSDP2 + TP trained without a break (every parameter and Adam state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    torch.manual_seed(0)
+    base = MLPModule("cpu")
+
+    def model(fsdp: bool):
+        m = parallelize_module(copy.deepcopy(base), mesh["tp"], plan)
+        if fsdp:
+            fully_shard(m, mesh=mesh["dp"])
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    def batch(i):
+        torch.manual_seed(100 + i + 1000 * mesh["dp"].get_local_rank())
+        return torch.rand(8, 10), torch.rand(8, 10)
+
+    def train(step, m, opt, steps):
+        for i in steps:
+            step(m, opt, *batch(i))
+
+    def save(m, opt, name):
+        sd_model, sd_optim = get_state_dict(m, opt)
+        dcp.save({"model": sd_model, "optim": sd_optim}, checkpoint_id=f"{folder}/{name}")
+
+    def load(m, opt, name):
+        sd_model, sd_optim = get_state_dict(m, opt)
+        state = {"model": sd_model, "optim": sd_optim}
+        dcp.load(state, checkpoint_id=f"{folder}/{name}")
+        set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    first, second = range(2), range(2, 4)
+    ref, ref_opt = model(True)
+    train(mse_adam_step, ref, ref_opt, [*first, *second])
+    chk = ParityChecker()
+    # eager FSDP2 + TP -> compiled: into a model the step has not placed yet, and into one it has
+    eager, eager_opt = model(True)
+    train(mse_adam_step, eager, eager_opt, first)
+    save(eager, eager_opt, "eager")
+    for placed_first in (False, True):
+        m, opt = model(False)
+        step = spmd_compile(DataParallel("fully_shard"), mesh=mesh)(mse_adam_step)
+        if placed_first:
+            train(step, m, opt, range(7, 9))  # other batches, then overwritten by the load
+        load(m, opt, "eager")
+        train(step, m, opt, second)
+        compare_models(chk, f"eager -> compiled (placed before the load: {placed_first})", m, opt,
+                       ref, ref_opt)
+    # compiled -> eager FSDP2 + TP
+    m, opt = model(False)
+    step = spmd_compile(DataParallel("fully_shard"), mesh=mesh)(mse_adam_step)
+    train(step, m, opt, first)
+    save(m, opt, "compiled")
+    eager, eager_opt = model(True)
+    load(eager, eager_opt, "compiled")
+    train(mse_adam_step, eager, eager_opt, second)
+    compare_models(chk, "compiled -> eager", eager, eager_opt, ref, ref_opt)
+    # the compiled step goes on after saving, its optimizer's state re-made by load_state_dict
+    # (new DTensors without the padded buffers the step binds)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    train(step, m, opt, second)
+    compare_models(chk, "compiled after saving", m, opt, ref, ref_opt)
+    return dict(problems=chk.problems, max_err=chk.max_err)
+
+
+def test_dcp_between_fsdp2_tp_and_compiled(pool4, tmp_path):
+    reps = pool4.run(dcp_job, str(tmp_path), timeout=900)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])

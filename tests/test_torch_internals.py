@@ -58,6 +58,18 @@ def test_signatures_relied_on():
 
     assert callable(CheckpointFunction.apply) and callable(torch.autograd.backward)
     assert {"_local_tensor", "_spec"} <= set(DTensor.__slots__) | set(dir(DTensor))
+    # optimizer_state.py: Adam's (and AdamW's, a subclass) lazy state initialisation
+    assert issubclass(torch.optim.AdamW, torch.optim.Adam)
+    assert _params(torch.optim.Adam._init_group) == [
+        "self", "group", "params_with_grad", "grads", "exp_avgs", "exp_avg_sqs",
+        "max_exp_avg_sqs", "state_steps"]
+    # rank_queries: what a step calls to learn its rank
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert torch.distributed.get_rank is distributed_c10d.get_rank
+    assert all(callable(getattr(DeviceMesh, n)) for n in ("get_rank", "get_local_rank",
+                                                           "get_coordinate"))
 
 
 def _recorded():
