@@ -248,7 +248,7 @@ def test_graph_nodes_read_no_module_state():
     from spmd_compiler.signature import StepSignature
 
     nbytes = 512 * 512 * 4  # 1 MiB each: planned
-    gm = lower(_two_temporaries(512), "eager", rank_check=await_agreement)
+    gm = lower(_two_temporaries(512), "eager", rank_check=(await_agreement, None))
     assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "workspace", "agreement"]
     assert gm.meta[meta.WORKSPACES] == [("cpu", 2 * nbytes)]
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
