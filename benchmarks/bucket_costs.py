@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .worker import free_port
+
 SIZES = [2**k for k in range(12, 26, 1)]  # 4 KiB .. 32 MiB
 
 
@@ -89,11 +91,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=30)
     a = p.parse_args()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_run, args=(r, 2, port, a.repeat, out)) for r in range(2)]

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .worker import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,11 +84,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--profile", type=int, default=0, help="print cProfile's top N (rank 0)")
     a = p.parse_args()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_run, args=(2, port, a.calls, a.warmup, a.profile, out), nprocs=2, start_method="spawn")

@@ -201,7 +201,8 @@ def rank_main(rank: int, job: Job, port: int, out_dir: str) -> None:
     os._exit(0)  # skip interpreter teardown: seconds per job, nothing left to clean up
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for the ranks' rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -226,7 +227,7 @@ def launch(job: Job) -> list[dict]:
     """Run ``job`` on ``world_size`` fresh spawned ranks; returns every rank's result dict."""
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="spmd_bench_") as out_dir:
-        port = _free_port()
+        port = free_port()
         procs = [
             ctx.Process(target=rank_main, args=(r, job, port, out_dir), daemon=True)
             for r in range(job.world_size)

@@ -91,6 +91,11 @@ def flexible(model, batch):
     return ((out - y.to(torch.float32)) ** 2).sum()
 
 
+def self_labelled(model, ids):
+    """A Hugging Face causal LM's own loss on ``ids`` (``labels=ids``)."""
+    return model(ids, labels=ids).loss
+
+
 def clip_norm(max_norm: float, returned: bool = True, **kwargs) -> Callable:
     """``between``: ``clip_grad_norm_(model.parameters(), max_norm, **kwargs)``; the step returns
     the total norm beside the loss when ``returned``."""

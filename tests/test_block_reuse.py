@@ -17,6 +17,7 @@ import spmd_compiler.block_reuse as block_reuse
 from spmd_compiler.passes import meta
 from spmd_compiler.side_effects import SideEffectError
 from spmd_compiler.tracing import trace_step
+from tests.steps import self_labelled, step_with
 from tests.zoo import CASES as ZOO
 
 _DETACH = torch.ops.aten.detach.default
@@ -102,12 +103,7 @@ def _gpt2(layers: int, **config):
     return build
 
 
-def _lm_step(model, optim, ids):
-    optim.zero_grad()
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    optim.step()
-    return loss
+_lm_step = step_with(self_labelled, name="_lm_step")
 
 
 def test_gpt2_blocks_copied_and_graph_unchanged(monkeypatch):
