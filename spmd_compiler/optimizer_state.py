@@ -33,8 +33,11 @@ _PROVEN = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def _eligible(opt) -> bool:
+    """A proven optimizer without state whose parameters hold data: state made for a model
+    still on the meta device would stay there (the first compiled call materializes the model
+    after recording), so such a step keeps the state-creating program."""
     return type(opt) in _PROVEN and not opt.state and not any(
-        g.get("differentiable") for g in opt.param_groups)
+        g.get("differentiable") or any(p.is_meta for p in g["params"]) for g in opt.param_groups)
 
 
 @contextlib.contextmanager
