@@ -327,6 +327,8 @@ def _graph_collectives(step) -> dict[str, dict[str, int]] | None:
         gm = step.last_compiled.traced.gm
     except (ImportError, AttributeError):
         return None
+    if gm is None:  # a program received from the rank that built it (shared_compile.py)
+        return None
     out: dict[str, dict[str, int]] = {}
     for node in collective_nodes(gm):
         entry = out.setdefault(collective_kind(node), {"count": 0, "bytes": 0})
