@@ -369,9 +369,8 @@ EXPECTED_CACHING = [
     ("float64 batch again", 0, None),
     ("momentum changed", 1, "param_groups[0]['momentum'] changed 0.9 -> 0.5"),  # a value guard
     ("momentum changed, again", 0, None),
-    # Adam's first-step state is made before recording (optimizer_state.py): one compile
-    ("new optimizer (Adam), first call", 1, "optimizer"),
-    ("new optimizer (Adam), second call", 0, None),
+    ("new optimizer (Adam), first call", 1, "optimizer"),  # its state made before recording:
+    ("new optimizer (Adam), second call", 0, None),  # one compile (optimizer_state.py)
     ("new optimizer (Adam), again", 0, None),
     ("new model", 1, "module"),
     ("new model again", 0, None),
