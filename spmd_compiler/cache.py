@@ -76,7 +76,7 @@ def _info(msg: str, *args) -> None:
     if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
         log.info(msg, *args)
 
-FORMAT = 3  # 3: HMAC-SHA256 under the user's key, value guards
+FORMAT = 4  # 3: HMAC-SHA256 under the user's key, value guards; 4: the Python statements replayed
 _MAGIC = b"spmd-compiler-program\n"
 _KEY_FILE = ".spmd-key"
 
@@ -101,7 +101,7 @@ class StoredProgram:
 # Fields of TracedStep a stored program keeps (the graph itself and its ShapeEnv are not kept).
 _TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "out_constants",
                   "dynamic_dims", "static_sizes", "specialized_dims", "entangled", "source_files",
-                  "specialized_inputs", "value_guards")
+                  "specialized_inputs", "value_guards", "replay")
 
 
 def cache_dir_from(option: str | None) -> str | None:

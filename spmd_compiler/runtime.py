@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
-import math
 import ctypes.util
 import sys
 import weakref
@@ -732,19 +731,11 @@ class CompiledGraph:
         return flat
 
 
-_HPARAM_TENSORS: dict[tuple[float, float], torch.Tensor] = {}
-
-
 def hparam_tensor(v: float) -> torch.Tensor:
-    """``v`` as the float64 0-d tensor a fused optimizer kernel reads (graphs only read it):
-    made once per value, not on every call."""
-    key = (v, math.copysign(1.0, v))
-    t = _HPARAM_TENSORS.get(key)
-    if t is None:
-        if len(_HPARAM_TENSORS) >= 64:
-            _HPARAM_TENSORS.clear()
-        t = _HPARAM_TENSORS[key] = torch.tensor(v, dtype=torch.float64)
-    return t
+    """``v`` as the float64 0-d tensor a fused optimizer kernel reads, new on every call: a
+    step that changes its learning rate (a scheduler stepped inside it) may update the tensor
+    in place, so one tensor shared per value would carry that change into later calls."""
+    return torch.tensor(v, dtype=torch.float64)
 
 
 class Workspaces:

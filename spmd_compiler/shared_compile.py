@@ -18,8 +18,11 @@ agreement on the program (consistency.agree_on_program) follows as before, on ev
 A program the builder cannot share is built by every rank of its set: one whose recording asked
 for the rank (``dist.get_rank()``, a mesh's ``get_rank``/``get_coordinate`` called from the
 user's code: another rank may take another branch; torch_internals.rank_queries), one that
-cannot be packed (a global of its code not importable by name). A program that holds the rank
-is not shared at all: fully_shard on CPU (gloo's gathers and scatters written with this rank's
+cannot be packed (a global of its code not importable by name). A step that may change
+Python state (it assigns a global or reaches a plain object such as an LR scheduler or a
+counter: side_effects.may_change_python_state) is not shared either: its recording runs that
+Python on the building rank's objects, and each rank's objects must see it. A program that
+holds the rank is not shared at all: fully_shard on CPU (gloo's gathers and scatters written with this rank's
 rows, passes/gloo_collectives.py) compiles on every rank, as before.
 An error while building reaches every rank of the set: an SPMDError (the user's step or
 arguments) is raised there as the builder raised it, with a note naming the builder; anything
@@ -51,6 +54,7 @@ import torch.distributed as dist
 from . import cache, torch_internals
 from .consistency import RankMismatchError, exchange_objects
 from .errors import SPMDError
+from .side_effects import may_change_python_state, step_constants
 from .tracing import StepArgs
 
 log = logging.getLogger("spmd_compiler")
@@ -82,7 +86,8 @@ def eligible(step, sa: StepArgs, mesh) -> bool:
 
     return (step.check_ranks and step.backend == "eager" and not step.dump_dir
             and not step._kept.mode and mesh.ndim == 1 and not has_plan(sa.module)
-            and not extension_key(sa.module) and not _rank_in_program(step, mesh))
+            and not extension_key(sa.module) and not _rank_in_program(step, mesh)
+            and not may_change_python_state(step.fn, step_constants(sa)))
 
 
 def _rank_in_program(step, mesh) -> bool:

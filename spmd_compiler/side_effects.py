@@ -427,3 +427,11 @@ def warn_value_reads(lines: list[str]) -> None:
             f"print(loss.item())`.")
         where = Change("", line).where  # shown at the user's line, as a warning of their code
         warnings.warn_explicit(warning, ValueReadWarning, *(where or ("<unknown>", 0)))
+
+
+def may_change_python_state(fn: Callable, constants: list[tuple[str, Any]]) -> bool:
+    """Could the step change Python state its recording must change on every rank: does it
+    assign a global, or reach a plain object (a scheduler, a counter, a list) through its
+    arguments, closure or globals? The objects ``watch`` snapshots, known before recording."""
+    fn = unwrapped(fn)
+    return bool(_stores(fn, "STORE_GLOBAL") or _reach(fn, constants))

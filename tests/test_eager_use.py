@@ -188,7 +188,7 @@ def test_eager_use_between_compiled_steps_matches_ddp(pool, mode):
         assert out["binds per eval call"] == 1, rank  # per top-level call, none per submodule
         assert out["binds in unsharded"] == 1, rank
         assert out["grads after a compiled step"] == [], rank  # the eager backward's are gone
-        assert out["compiles"] == 3, rank  # state-creating, steady, eval: eager use adds none
+        assert out["compiles"] == 2, rank  # steady (Adam's state made first), eval: eager use adds none
 
 
 def keep_grads_job(mode: str) -> list[str]:

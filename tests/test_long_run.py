@@ -89,9 +89,9 @@ def test_200_steps_stay_close_to_ddp(pool, mode):
         print(f"\n{mode} ws={pool.world_size} rank {rank} max |param diff|/|Adam state diff| by "
               f"step: {figures}; max |loss diff| {res['loss_diff']:.2e}; "
               f"final loss {res['final_loss']:.4f}")
-        # Adam's state is created in the first compiled graph, then one steady-state graph; the
-        # short batches run on it.
-        assert res["compiles"] == 2, res["compiles"]
+        # Adam's state is made before recording (optimizer_state.py): one steady-state graph;
+        # the short batches run on it.
+        assert res["compiles"] == 1, res["compiles"]
         worst = max(max(p, st) for p, st in drift.values())
         assert worst <= MAX_ABS, f"rank {rank}: drift from DDP exceeds {MAX_ABS}: {figures}"
         early = max(max(drift[s]) for s in drift if s <= 100)
