@@ -715,7 +715,9 @@ class CompiledGraph:
                 state_of[id(p)] = st
         flat += [x for n, k in sig.states
                  for x in inner_tensors(local_buffer(state_of[id(params[n])][k]))]
-        flat += [hparam_tensor(v) if as_tensor else v for v, as_tensor in zip(hparams, sig.hparams)]
+        # a new tensor per call: a step that steps its scheduler may update it in place
+        flat += [torch.tensor(v, dtype=torch.float64) if as_tensor else v
+                 for v, as_tensor in zip(hparams, sig.hparams)]
         flat += tp.graph_inputs(sa)
         if sig.grads_in:
             flat += [accumulated[n] if n in accumulated else torch.zeros(
@@ -729,13 +731,6 @@ class CompiledGraph:
             if eager is not None and eager.grads_written:  # an eager backward's, now stale
                 eager.clear_grads()
         return flat
-
-
-def hparam_tensor(v: float) -> torch.Tensor:
-    """``v`` as the float64 0-d tensor a fused optimizer kernel reads, new on every call: a
-    step that changes its learning rate (a scheduler stepped inside it) may update the tensor
-    in place, so one tensor shared per value would carry that change into later calls."""
-    return torch.tensor(v, dtype=torch.float64)
 
 
 class Workspaces:
