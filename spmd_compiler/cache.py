@@ -76,7 +76,8 @@ def _info(msg: str, *args) -> None:
     if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
         log.info(msg, *args)
 
-FORMAT = 4  # 3: HMAC-SHA256 under the user's key, value guards; 4: the Python statements replayed
+FORMAT = 5  # 3: HMAC-SHA256 under the user's key, value guards; 4: the Python statements replayed;
+# 5: conditions on the optimizers' lifted numbers
 _MAGIC = b"spmd-compiler-program\n"
 _KEY_FILE = ".spmd-key"
 
@@ -99,7 +100,7 @@ class StoredProgram:
 
 
 # Fields of TracedStep a stored program keeps (the graph itself and its ShapeEnv are not kept).
-_TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "out_constants",
+_TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "hparam_conditions", "out_constants",
                   "dynamic_dims", "static_sizes", "specialized_dims", "entangled", "source_files",
                   "specialized_inputs", "value_guards", "replay")
 
@@ -318,13 +319,13 @@ def _hooks(hooks: dict) -> list:
 
 
 def _optimizer_structure(opt: torch.optim.Optimizer, module: torch.nn.Module, fp: _Fingerprint):
-    from .tracing import LIFTED_HPARAMS
+    from .call_args import group_inputs
 
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     groups = [(sorted((k, fp.value(v)) for k, v in g.items()
-                      if k != "params" and k not in LIFTED_HPARAMS),
+                      if k != "params" and k not in group_inputs(g)),
                [names.get(id(p)) for p in g["params"]]) for g in opt.param_groups]
     state = sorted(
         (names.get(id(p), "?"), sorted((k, (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)

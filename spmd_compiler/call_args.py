@@ -4,6 +4,9 @@
 (``spec_text``). A call whose arguments are leaves and plain tuples and lists (the usual
 ``step(model, optim, (x, y))``) reuses the spec made the first time that shape of arguments
 was seen: same leaves, same order, the same spec object, its text printed once.
+
+The optimizers' per-call numbers are read here too: :func:`group_inputs` names the param-group
+entries every program takes as inputs (the learning rate, and a momentum a scheduler cycles).
 """
 
 from __future__ import annotations
@@ -64,3 +67,25 @@ def _shape(x: Any, leaves: list) -> tuple | int | None:
         return None
     leaves.append(x)
     return 0
+
+
+_CYCLED = ("momentum", "betas")
+
+
+def group_inputs(group: dict) -> tuple[str, ...]:
+    """The param-group entries every program reads as inputs, passed on every call: ``lr``,
+    and the momentum a scheduler cycles (OneCycleLR's and CyclicLR's ``cycle_momentum`` mark the
+    group with ``max_momentum``): ``momentum`` or ``betas``, unless the group asks for the fused
+    kernel, whose momentum is a float argument (then it is guarded: a change recompiles)."""
+    if "max_momentum" in group and "base_momentum" in group and not group.get("fused"):
+        return ("lr",) + tuple(k for k in _CYCLED if k in group)
+    return ("lr",)
+
+
+def group_input_values(group: dict) -> list[float]:
+    """The values of ``group_inputs(group)``, a tuple (``betas``) flattened."""
+    out = []
+    for key in group_inputs(group):
+        v = group[key]
+        out.extend(map(float, v) if isinstance(v, tuple) else (float(v),))
+    return out

@@ -47,6 +47,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .call_args import group_inputs
+
 _MISSING = object()
 _MAX_DEPTH = 3
 # module attributes that are structure (in the step's static key) or bookkeeping, not values
@@ -70,6 +72,7 @@ class ValueGuard:
     value: Any  # at recording
     where: str  # the line that read it
     lifted: bool = False  # a program input: its value is passed on every call, not compared
+    written: bool = False  # the step also assigns it (replayed after each call): lift it
 
 
 @functools.cache
@@ -323,6 +326,7 @@ class _Collector:
         self.guards: dict[tuple, ValueGuard] = {}
         self.names: set[str] = set()
         self.stored: set[str] = set()
+        self.user_stored: set[str] = set()  # of those, assigned by the user's code
         self._seen_objects: set[int] = set()
         self._done_codes: set = set()
         self._model_modules = {id(m) for m in roots[("model",)].modules()}
@@ -355,6 +359,8 @@ class _Collector:
         # names the code that ran assigns (self.n += 1, global n): state the step writes, which
         # spmd_compiler/side_effects.py replays after each call; not a constant to guard
         self.stored = set().union(*(_stored_names(c) for c in self.codes))
+        self.user_stored = set().union(*(_stored_names(c) for c in self.codes
+                                         if is_user_file(c.co_filename)))
         self.keys = {k for c in self.codes if is_user_file(c.co_filename)
                      for k in c.co_consts if isinstance(k, str)}
 
@@ -370,8 +376,9 @@ class _Collector:
             self._closure(fn, fn.__qualname__, (("fn",),), 1)
         for k, opt in enumerate(sa.optimizers):
             for gi, group in enumerate(opt.param_groups):
+                inputs = group_inputs(group)
                 for key, v in group.items():
-                    if key not in ("params", "lr") and is_plain(v):
+                    if key != "params" and key not in inputs and is_plain(v):
                         self._add(f"optimizer {k} param_groups[{gi}][{key!r}]",
                                   (("optimizer", k), ("group", gi), ("item", key)), v, key,
                                   where=f"{type(opt).__qualname__}.step()")
@@ -426,10 +433,13 @@ class _Collector:
                 self._value(value, f"{name}.<closure {var}>", path + (("cell", var),), depth, var)
 
     def _add(self, name: str, path: tuple, value, attr: str, where: str | None = None) -> None:
-        if path[0][0] != "optimizer" and attr in self.stored:
-            return
+        written = path[0][0] != "optimizer" and attr in self.stored
+        if written and (attr not in self.user_stored or not isinstance(value, _NUMBERS)
+                        or isinstance(value, bool)):
+            return  # state the step (or a library it calls) writes, replayed only
         if path not in self.guards:
-            self.guards[path] = ValueGuard(name, path, value, where or self._where(attr))
+            self.guards[path] = ValueGuard(name, path, value, where or self._where(attr),
+                                           written=written)
 
     def _where(self, attr: str) -> str:
         readers = [c for c in self.codes
@@ -499,6 +509,11 @@ def record_lifting(policy: LiftPolicy | None, record: Callable[[list], Any]):
     if constant:
         policy.keep_constant(constant)
         return record(list(policy.lift))
+    written = [g.path for g in traced.value_guards if g.written and not g.lifted
+               and g.path not in policy.constant] if policy is not None else []
+    if written:  # a number the step writes and reads: an input from the first program on
+        policy.lift += written
+        return record_lifting(policy, record)
     return traced
 
 

@@ -24,6 +24,7 @@ import functools
 import inspect
 import re
 import textwrap
+import types
 from typing import Callable
 
 import torch
@@ -131,6 +132,25 @@ def _last_recorded_line(gm: torch.fx.GraphModule, code) -> int | None:
     return last
 
 
+def drop_guards_after_tensor_work(fn: Callable, gm: torch.fx.GraphModule, shape_env) -> None:
+    """Remove from ``shape_env`` the guards the step's own lines made after its last tensor
+    operation (``model.kl_w = min(1, model.kl_w + .25)`` on a lifted number compares it): the
+    graph was recorded before them and does not depend on them, and the statements that made
+    them run again, on real values, after every call."""
+    fn = unwrapped(fn)
+    code = getattr(fn, "__code__", None)
+    last = _last_recorded_line(gm, code) if code is not None else None
+    if last is None:
+        return
+
+    def after(guard) -> bool:
+        loc = guard.sloc.framework_loc
+        return (getattr(loc, "filename", None) == code.co_filename and loc.name == code.co_name
+                and loc.lineno > last)
+
+    shape_env.guards[:] = [g for g in shape_env.guards if not after(g)]
+
+
 def run_after(fn: Callable, statements: tuple[str, ...], sa) -> None:
     """Run the step's ``statements`` with its arguments of this call, closure and globals."""
     if not statements:
@@ -138,6 +158,8 @@ def run_after(fn: Callable, statements: tuple[str, ...], sa) -> None:
     fn = unwrapped(fn)
     args, kwargs = pytree.tree_unflatten(sa.leaves, sa.spec)
     namespace = dict(_signature(fn).bind(*args, **kwargs).arguments)
+    if isinstance(fn, types.MethodType):  # a bound-method step: its instance by its name
+        namespace[fn.__code__.co_varnames[0]] = fn.__self__
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         namespace.setdefault(name, cell.cell_contents)
     for source in statements:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import itertools
 import ctypes.util
 import sys
@@ -28,6 +29,7 @@ from . import tensor_parallel as tp
 from .torch_internals import _broadcast_coalesced, direct_op_calls, dtensor_spec, local_tensor, pytree
 from .errors import CollectiveError, InitializationError
 from .module_walk import tensors
+from .call_args import group_input_values
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
 from .tracing import StepArgs, TracedStep
@@ -626,6 +628,9 @@ class CompiledGraph:
 
     def __post_init__(self):
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
+        conditions = self.traced.hparam_conditions
+        self._conditions = compile(" and ".join(f"({c})" for c in conditions), "<hparam conditions>",
+                                   "eval") if conditions else None
         self._run = direct_op_calls(self.run)  # the same graph, its ops called directly
 
     @property
@@ -647,6 +652,9 @@ class CompiledGraph:
         for i, value in self.traced.specialized_hparams:
             if hparams[i] != value:
                 return False
+        if self._conditions is not None and not eval(self._conditions, {"math": math}, {
+                f"h{i}": v for i, v in enumerate(hparams)}):
+            return False
         for t, sizes in zip(inputs, self.traced.static_sizes):
             shape = t.shape
             for d, size in sizes:  # sizes the graph holds as constants; not in the guards
@@ -796,8 +804,10 @@ def retain_host_memory() -> bool:
 
 
 def lifted_hparams(sa: StepArgs) -> list[float]:
-    """The values of the lifted hyperparameters (``lr`` of every param group), placeholder order."""
-    return [float(g["lr"]) for opt in sa.optimizers for g in opt.param_groups]
+    """The values of the lifted hyperparameters (``lr`` of every param group, and a momentum a
+    scheduler cycles: ``call_args.group_inputs``), placeholder order."""
+    return [v for opt in sa.optimizers for g in opt.param_groups
+            for v in ((float(g["lr"]),) if "max_momentum" not in g else group_input_values(g))]
 
 
 _COMMUNICATION_FAILURES = ("timed out", "timeout", "connection closed", "connection reset",

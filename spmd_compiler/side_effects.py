@@ -177,23 +177,31 @@ def _stores(fn: Callable, opname: str) -> dict[str, int]:
     return out
 
 
-def _reach(fn: Callable, constants: list[tuple[str, Any]]) -> list[tuple[str, str | None, Any]]:
+def _reach(fn: Callable, constants: list[tuple[str, Any]],
+           module: torch.nn.Module | None = None) -> list[tuple[str, str | None, Any]]:
     """(label, variable name, object) of the plain objects the step reaches: its non-tensor
-    arguments, closure variables and named globals, then the plain objects among their
+    arguments, the instance of a bound-method step (``self``), closure variables and named
+    globals, the plain objects the model's modules hold, then the plain objects among their
     attributes."""
     roots: list[tuple[str, str | None, Any]] = [(label, None, x) for label, x in constants]
     code = getattr(fn, "__code__", None)
     if code is not None:
         params = code.co_varnames[:code.co_argcount]
-        roots = [(label, params[int(label[9:])] if label.startswith("argument ") and
-                  label[9:].isdigit() and int(label[9:]) < len(params) else None, x)
+        shift = 1 if isinstance(fn, types.MethodType) else 0  # arguments after ``self``
+        roots = [(label, params[int(label[9:]) + shift] if label.startswith("argument ") and
+                  label[9:].isdigit() and int(label[9:]) + shift < len(params) else None, x)
                  for label, _, x in roots]
+        if shift and params:
+            roots.insert(0, (params[0], params[0], fn.__self__))
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             with contextlib.suppress(ValueError):  # an empty cell
                 roots.append((f"closure variable {name!r}", name, cell.cell_contents))
         names = {n for c in _code_objects(code) for n in c.co_names}
         roots += [(f"global {n!r}", n, fn.__globals__[n]) for n in sorted(names)
                   if n in fn.__globals__]
+    for name, m in module.named_modules() if module is not None else ():
+        roots += [(f"attribute {a!r} of module {name or '<root>'!r}", None, v)
+                  for a, v in vars(m).items() if _plain_object(v)]
     out, seen = [], set()
     for label, var, obj in roots:
         if not (_plain_object(obj) or type(obj) in _CONTAINERS) or id(obj) in seen:
@@ -273,7 +281,8 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
         opt.param_groups[:] = [_RecordingGroup(g, where=where) for g in opt.param_groups]
         snap.groups.append((k, [_state(g) for g in opt.param_groups]))
     snap.modules = [(name, m, _state(m.__dict__)) for name, m in module.named_modules()]
-    snap.objects = [(label, var, obj, _state(_attrs(obj))) for label, var, obj in _reach(fn, constants)]
+    snap.objects = [(label, var, obj, _state(_attrs(obj)))
+                    for label, var, obj in _reach(fn, constants, module)]
     assigned = _stores(fn, "STORE_GLOBAL")
     snap.globals = {n: fn.__globals__.get(n, _MISSING) for n in assigned}
     changes: list[Change] = []
@@ -339,11 +348,23 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str
             line = next((stores[a] for a in changed if a in stores), _use_line(fn, var))
             what = f"the contents of a {type(obj).__name__} ({label})" if type(obj) in _CONTAINERS \
                 else f"{type(obj).__name__} object ({label}): attribute(s) {', '.join(map(str, changed))}"
-            out.append(Change(what, _line(fn, line)))
+            out.append(Change(what, _line(fn, line) if line is not None else
+                              _forward_line(snap.modules, changed)))
     for n, line in assigned.items():
         if not _same(snap.globals[n], fn.__globals__.get(n, _MISSING)):
             out.append(Change(f"global {n!r}", _line(fn, line)))
     return out
+
+
+def _forward_line(modules: list, attrs: list[str]) -> str | None:
+    """The line of a watched module's ``forward`` assigning one of ``attrs`` (a forward
+    counting its calls on a plain object it holds)."""
+    for _, m, _ in modules:
+        stores = _stores(type(m).forward, "STORE_ATTR")
+        line = next((stores[a] for a in attrs if a in stores), None)
+        if line is not None:
+            return _line(type(m).forward, line)
+    return None
 
 
 def _line(fn: Callable, lineno: int | None) -> str | None:
@@ -429,9 +450,11 @@ def warn_value_reads(lines: list[str]) -> None:
         warnings.warn_explicit(warning, ValueReadWarning, *(where or ("<unknown>", 0)))
 
 
-def may_change_python_state(fn: Callable, constants: list[tuple[str, Any]]) -> bool:
+def may_change_python_state(fn: Callable, constants: list[tuple[str, Any]],
+                            module: torch.nn.Module | None = None) -> bool:
     """Could the step change Python state its recording must change on every rank: does it
-    assign a global, or reach a plain object (a scheduler, a counter, a list) through its
-    arguments, closure or globals? The objects ``watch`` snapshots, known before recording."""
+    assign a global, or reach a plain object (a scheduler, a counter, a list, a bound-method
+    step's instance) through its arguments, instance, closure, globals or the model's modules?
+    The objects ``watch`` snapshots, known before recording."""
     fn = unwrapped(fn)
-    return bool(_stores(fn, "STORE_GLOBAL") or _reach(fn, constants))
+    return bool(_stores(fn, "STORE_GLOBAL") or _reach(fn, constants, module))

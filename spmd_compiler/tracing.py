@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+import sympy
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -68,7 +69,7 @@ from .accumulation import ACCUMULATE, accumulating
 from .signature import StepSignature, split_inputs
 from . import tensor_parallel as tp
 from .halo_conv import halo_convolution
-from .call_args import flatten_step_args
+from .call_args import flatten_step_args, group_input_values, group_inputs
 from . import block_reuse
 
 LIFTED_HPARAMS = ("lr",)
@@ -127,6 +128,9 @@ class TracedStep:
     # (index, value) of hyperparameters the graph holds as constants: a call with another value
     # needs another graph
     specialized_hparams: list[tuple[int, float]] = field(default_factory=list)
+    # Python conditions on the optimizers' lifted numbers the recording branched on (SGD's
+    # ``momentum != 0``), over ``h<index>``: the graph serves every value that satisfies them
+    hparam_conditions: tuple[str, ...] = ()
     # (input position, value) of unbatched inputs whose values the trace read (a mask passed in
     # and checked for causality): the graph is valid only for inputs equal to these
     specialized_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -327,9 +331,10 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
     for opt in optimizers:
         groups = [dict(g) for g in opt.param_groups]
         saved.append((opt, groups, opt.state))
+        inputs = [group_inputs(g) for g in opt.param_groups]
         if fuse:
-            for g in opt.param_groups:
-                if fusable(opt, g):
+            for g, names in zip(opt.param_groups, inputs):
+                if fusable(opt, g) and names == LIFTED_HPARAMS:
                     g["fused"], g["foreach"] = True, False
         new_state = defaultdict(dict)
         for p, st in opt.state.items():
@@ -338,10 +343,11 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
                 k: (state_fakes[(fqn_of[id(p)], k)] if isinstance(v, torch.Tensor) else v)
                 for k, v in st.items()
             }
-        for g in opt.param_groups:
+        for g, names in zip(opt.param_groups, inputs):
             g["params"] = [fake_of[id(p)] for p in g["params"]]
-            for name in LIFTED_HPARAMS:
-                g[name] = next(hp)
+            for name in names:  # a tuple (``betas``): one input per entry
+                g[name] = tuple(next(hp) for _ in g[name]) if isinstance(g[name], tuple) \
+                    else next(hp)
         opt.state = new_state
 
     def on_grad(fqn):
@@ -526,7 +532,8 @@ class _ModuleState:
 
 
 def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool):
-    """The lifted hyperparameters (``lr`` of each param group) as graph inputs: (fake values,
+    """The lifted hyperparameters (``lr`` of each param group, and a momentum a scheduler cycles:
+    ``call_args.group_inputs``) as graph inputs: (fake values,
     Python values, bound as a tensor?). A fused kernel takes its learning rate as a float64 0-d
     tensor (a float argument would bake the value into the graph); everything else reads a
     SymFloat."""
@@ -541,9 +548,10 @@ def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool):
     hparams, values, as_tensors = [], [], []
     for opt in sa.optimizers:
         for g in opt.param_groups:
-            as_tensor = fusable(opt, g) and (fuse_optimizer or bool(g.get("fused")))
-            for name in LIFTED_HPARAMS:
-                value = float(g[name])
+            as_tensor = fusable(opt, g) and (fuse_optimizer or bool(g.get("fused"))) and \
+                group_inputs(g) == LIFTED_HPARAMS
+            for k, value in enumerate(group_input_values(g)):
+                name = "lr" if k == 0 else "momentum"
                 values.append(value)
                 as_tensors.append(as_tensor)
                 if as_tensor:
@@ -714,6 +722,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     codes: dict = {}  # code objects that ran -> their globals
     gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
                                     *fake_inputs, *[fake_static(p) for p in trainable]], codes)
+    replay.drop_guards_after_tensor_work(fn, gm, shape_env)
+    conditions = _hparam_conditions(shape_env, hparams[:counts[3] - len(lift)])
     value_guards, source_files = guards.collect(fn, sa, codes, list(lift))
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
@@ -732,6 +742,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         shape_env=shape_env,
         signature=signature,
         specialized_hparams=_specialized_hparams(shape_env, hparams, hparam_values),
+        hparam_conditions=conditions,
         specialized_inputs=[(k, unbatched[k].clone()) for k in
                             sorted(p - sum(counts) for p in reads.used)],
         fake_inputs=fake_inputs,
@@ -779,6 +790,20 @@ def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynami
 
 def _trainable(sa: StepArgs) -> set[str]:
     return {n for n, p in sa.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def _hparam_conditions(shape_env, group_inputs: list) -> tuple[str, ...]:
+    """Take out of ``shape_env`` the guards on the optimizers' lifted numbers alone (SGD's
+    ``if momentum != 0``) and return them as Python conditions over ``h<index>``, checked on
+    every call: a scheduler's next momentum fits the program as long as the branch it took
+    holds."""
+    from sympy.printing.pycode import pycode
+
+    names = {h.node._expr: sympy.Symbol(f"h{i}") for i, h in enumerate(group_inputs)
+             if isinstance(h, torch.SymFloat)}
+    mine = [g for g in shape_env.guards if g.expr.free_symbols and g.expr.free_symbols <= names.keys()]
+    shape_env.guards[:] = [g for g in shape_env.guards if g not in mine]
+    return tuple(dict.fromkeys(pycode(g.expr.xreplace(names)) for g in mine))
 
 
 def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:
