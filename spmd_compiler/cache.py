@@ -162,10 +162,12 @@ class Loaded:
     summary: Any
 
 
-def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs) -> Loaded | None:
-    """``program`` unpacked, if it can serve this call: its code compiles, its fields describe a
+def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs,
+           agreement: bool = True) -> Loaded | None:
+    """``program`` unpacked, if it can serve this call: its code compiles and takes the inputs
+    the runtime passes (``agreement``: the per-call agreement last), its fields describe a
     program for these arguments and its value guards hold on the current objects; else None,
-    logged."""
+    logged (the compile that follows rewrites the file)."""
     from . import guards
     from .consistency import describe_program
 
@@ -174,6 +176,7 @@ def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs) -> Loaded 
     try:
         start = time.perf_counter()
         traced, runnable = unpack(program)
+        _check_inputs(runnable, traced.signature, agreement)
         seconds = {"loaded from cache": time.perf_counter() - start}
         if program.guard_code:
             compile(program.guard_code, "<shape guards>", "eval")
@@ -191,6 +194,20 @@ def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs) -> Loaded 
         return None
     return Loaded(traced, runnable, program.guard_code, seconds, program.graph_description,
                   program.num_nodes, program.summary)
+
+
+def _check_inputs(runnable: functools.partial, sig, agreement: bool) -> None:
+    """Raise a TypeError unless the stored code's ``forward`` takes exactly the inputs the
+    runtime passes for ``sig`` (runtime.CompiledGraph: params, buffers, states, hparams, batch
+    inputs, accumulated gradients, workspaces, then the agreement when the ranks are checked):
+    a program that would fail at its first call is not used."""
+    names = list(inspect.signature(runnable.func).parameters)[1:]  # after ``self``
+    expected = (sum(sig.input_groups) + len(sig.inputs) + len(sig.grads_in)
+                + len(sig.workspaces) + agreement)
+    if len(names) != expected or (agreement and names[-1] != "agreement"):
+        raise TypeError(f"its forward takes {len(names)} inputs ({', '.join(names[-2:])} last); "
+                        f"the runtime passes {expected}"
+                        + (" with the per-call agreement last" if agreement else ""))
 
 
 def unsafe(path: str) -> str | None:
@@ -498,7 +515,7 @@ def lookup(cache: tuple[str | None, str], sa: StepArgs, dynamic_dims: dict[int, 
             key = program_key(fn=fn, sa=sa, dynamic_dims=dynamic_dims, rank=dist.get_rank(group),
                               world_size=dist.get_world_size(group), group_name=group.group_name,
                               options=options)
-            found = usable(load(cache_dir, key), fn, sa)
+            found = usable(load(cache_dir, key), fn, sa, agreement=check_ranks)
         except Exception as e:  # noqa: BLE001 - the cache never stops a compile
             log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
     on, everyone_found = cache_dir is not None, found is not None

@@ -260,3 +260,40 @@ def test_one_cycle_momentum_cycling_does_not_recompile(pool2):
         for rank, res in enumerate(pool2.run(one_cycle_job, kind, style)):
             assert not res["problems"], (kind, style, rank, res["problems"])
             assert res["compiles"] == compiles, (kind, style, rank, res["compiles"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixed-precision output dtypes nothing can compute in
+
+
+def float8_output_job(style: str) -> dict:
+    """``MixedPrecisionPolicy(output_dtype=torch.float8_e4m3fn)``: the first call raises a
+    MixedPrecisionError naming the field; parameters and optimizer state are left as they were,
+    and the same model then trains under a valid policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from spmd_compiler import DataParallel, spmd_compile
+    from spmd_compiler.errors import MixedPrecisionError
+
+    model, opt, *_ = _pair(Net, _adam)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float8_e4m3fn)
+    step = spmd_compile(DataParallel(style, mp_policy=policy))(plain_step)
+    error = None
+    try:
+        step(model, opt, _batch(0))
+    except MixedPrecisionError as e:
+        error = str(e)
+    unchanged = (not opt.state and all(type(p) is nn.Parameter and torch.equal(p, before[n])
+                                       for n, p in model.named_parameters()))
+    good = spmd_compile(DataParallel(style, mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, output_dtype=torch.float32)))(plain_step)
+    loss = good(model, opt, _batch(0))
+    return {"error": error, "unchanged": unchanged, "trains": bool(torch.isfinite(loss))}
+
+
+def test_float8_output_dtype_is_refused_at_the_first_call(pool2):
+    for style in ("replicate", "fully_shard"):
+        for res in pool2.run(float8_output_job, style):
+            assert res["error"] and "output_dtype=torch.float8_e4m3fn" in res["error"], res
+            assert res["unchanged"] and res["trains"], res
