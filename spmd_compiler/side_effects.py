@@ -133,7 +133,8 @@ def _same(a: Any, b: Any, depth: int = 1) -> bool:
 
 def _plain_object(obj: Any) -> bool:
     """Is ``obj`` a Python object whose attributes the step may change: a user's object or an LR
-    scheduler (not a module, optimizer, tensor, function, class or library object)?"""
+    scheduler (not a module, optimizer, tensor, function, class, library object or this
+    package's own)?"""
     if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, type,
                         types.ModuleType, types.FunctionType, types.MethodType,
                         types.BuiltinFunctionType, *_SCALARS)):
@@ -141,6 +142,8 @@ def _plain_object(obj: Any) -> bool:
     if not isinstance(getattr(obj, "__dict__", None), dict):
         return False
     module = type(obj).__module__ or ""
+    if module.split(".")[0] == __package__.split(".")[0]:
+        return False  # this package's own bookkeeping on the model (eager use, saving)
     if module.startswith("torch."):
         return module == "torch.optim.lr_scheduler"
     return module.split(".")[0] not in sys.stdlib_module_names
