@@ -102,7 +102,7 @@ class StoredProgram:
 # Fields of TracedStep a stored program keeps (the graph itself and its ShapeEnv are not kept).
 _TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "hparam_conditions", "out_constants",
                   "dynamic_dims", "static_sizes", "specialized_dims", "entangled", "source_files",
-                  "specialized_inputs", "value_guards", "replay")
+                  "specialized_inputs", "value_guards", "replay", "assignments")
 
 
 def cache_dir_from(option: str | None) -> str | None:

@@ -38,6 +38,7 @@ import dis
 import enum
 import functools
 import logging
+import math
 import os
 import sys
 import sysconfig
@@ -195,8 +196,19 @@ class ValueGuards:
         self.hold = _checker(checked)
 
     def lifted_values(self) -> list:
-        """The current values of the program's lifted inputs, in placeholder order."""
-        return [mapping.get(key) for mapping, key in self._lifted]
+        """The current values of the program's lifted inputs, in placeholder order (a tuple's
+        entries one by one)."""
+        return flat_numbers([mapping.get(key) for mapping, key in self._lifted])
+
+    def assign(self, assignments: tuple, numbers: list) -> None:
+        """Set each lifted value ``assignments`` names ((path, Python expression over
+        ``h<index>``), tracing.TracedStep) to the expression's value for this call's
+        ``numbers`` (the program's lifted inputs)."""
+        slots = dict(zip([g.path for g in self.guards if g.lifted], self._lifted))
+        h = {f"h{i}": v for i, v in enumerate(numbers)}
+        for path, code in assignments:
+            mapping, key = slots[path]
+            mapping[key] = eval(_compiled(code), {"math": math}, h)  # noqa: S307
 
     def changed(self) -> list[tuple[ValueGuard, Any]]:
         """(guard, current value) of every guard that fails."""
@@ -224,14 +236,34 @@ def _checker(checked: list[tuple]) -> Callable[[], bool]:
     return namespace["hold"]
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(code: str):
+    return compile(code, "<spmd_compiler lifted assignment>", "eval")
+
+
 def describe_changes(changes: list[tuple[ValueGuard, Any]]) -> str:
     return "; ".join(f"{g.name} changed {g.value!r} -> {now!r} (read at {g.where})"
                      for g, now in changes)
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, _NUMBERS) and not isinstance(v, bool)
+
+
+def _liftable(v) -> bool:
+    """A number, or a short tuple of numbers (an optimizer's ``betas``)."""
+    return _is_number(v) or (type(v) is tuple and 0 < len(v) <= 4 and all(map(_is_number, v)))
+
+
+def flat_numbers(values: Iterable) -> list:
+    """``values`` with each tuple replaced by its entries (one program input each)."""
+    return [x for v in values for x in (v if isinstance(v, tuple) else (v,))]
+
+
 class LiftPolicy:
     """Which numbers a step's next recording takes as program inputs: those whose guard failed
-    (a value that changed once may change again), unless a recording had to keep them constant."""
+    (a value that changed once may change again; a tuple of numbers, as ``betas``, entry by
+    entry), unless a recording had to keep them constant."""
 
     def __init__(self):
         self.lift: list[tuple] = []
@@ -239,8 +271,9 @@ class LiftPolicy:
 
     def recompiled_for(self, changes: list[tuple[ValueGuard, Any]]) -> None:
         for g, now in changes:
-            numbers = all(isinstance(v, _NUMBERS) and not isinstance(v, bool) for v in (g.value, now))
-            if numbers and g.path not in self.constant and g.path not in self.lift:
+            same_kind = _liftable(g.value) and _liftable(now) and (
+                type(g.value) is not tuple or (type(now) is tuple and len(now) == len(g.value)))
+            if same_kind and g.path not in self.constant and g.path not in self.lift:
                 self.lift.append(g.path)
 
     def keep_constant(self, paths: Iterable[tuple]) -> None:
@@ -251,12 +284,13 @@ class LiftPolicy:
 
 
 def lifted_numbers(paths: Iterable[tuple], roots: dict) -> list:
-    """The current values at ``paths``; LookupError unless each is an int or a float."""
+    """The current values at ``paths``; LookupError unless each is an int, a float or a short
+    tuple of them."""
     out = []
     for p in paths:
         mapping, key = slot(p, roots)
         v = mapping.get(key, _MISSING)
-        if not isinstance(v, _NUMBERS) or isinstance(v, bool):
+        if not _liftable(v):
             raise LookupError(f"{_name_of(p)} is no longer a number")
         out.append(v)
     return out
@@ -265,19 +299,22 @@ def lifted_numbers(paths: Iterable[tuple], roots: dict) -> list:
 def specialized_lifts(traced) -> list[tuple]:
     """Paths of the lifted numbers that the recording used as constants after all (it guarded
     their symbol: a size, a branch, a float argument): the program compares them instead."""
-    lifted = [g.path for g in traced.value_guards if g.lifted]
-    first = traced.num_hparams - len(lifted)
-    return [lifted[i - first] for i, _ in traced.specialized_hparams if i >= first]
+    owner = [g.path for g in traced.value_guards if g.lifted
+             for _ in (g.value if isinstance(g.value, tuple) else (g.value,))]
+    first = traced.num_hparams - len(owner)
+    return list(dict.fromkeys(owner[i - first] for i, _ in traced.specialized_hparams if i >= first))
 
 
 @contextlib.contextmanager
 def substituted(paths: list[tuple], roots: dict, values: list):
-    """While recording: the value at each of ``paths`` is the symbolic number in ``values``."""
+    """While recording: the value at each of ``paths`` is the symbolic number in ``values`` (a
+    tuple: as many of them as it has entries)."""
     slots = [slot(p, roots) for p in paths]
     saved = [mapping.get(key, _MISSING) for mapping, key in slots]
     try:
-        for (mapping, key), v in zip(slots, values):
-            mapping[key] = v
+        rest = iter(values)
+        for (mapping, key), old in zip(slots, saved):
+            mapping[key] = tuple(next(rest) for _ in old) if isinstance(old, tuple) else next(rest)
         yield
     finally:
         for (mapping, key), v in zip(slots, saved):
@@ -504,16 +541,23 @@ def record_lifting(policy: LiftPolicy | None, record: Callable[[list], Any]):
             "spmd_compiler: recording with %s as inputs failed (%s); recording them as constants",
             ", ".join(describe_paths(lift)), str(e).splitlines()[0] if str(e) else type(e).__name__)
         policy.keep_constant(lift)
-        return record([])
+        return _settled(record([]))
     constant = specialized_lifts(traced) if lift else []
     if constant:
         policy.keep_constant(constant)
-        return record(list(policy.lift))
+        return _settled(record(list(policy.lift)))
     written = [g.path for g in traced.value_guards if g.written and not g.lifted
                and g.path not in policy.constant] if policy is not None else []
     if written:  # a number the step writes and reads: an input from the first program on
         policy.lift += written
         return record_lifting(policy, record)
+    return _settled(traced)
+
+
+def _settled(traced):
+    """``traced``, unless the Python state it changes cannot be repeated (raised now)."""
+    if traced.deferred_error is not None:
+        raise traced.deferred_error
     return traced
 
 

@@ -132,6 +132,46 @@ def _last_recorded_line(gm: torch.fx.GraphModule, code) -> int | None:
     return last
 
 
+def lifted_assignments(fn: Callable, changes: list[Change], lifted: list[tuple],
+                       symbols: dict) -> tuple[tuple, list[Change]]:
+    """Split ``changes`` into assignments of numbers the program takes as inputs, made outside
+    the step's own lines (a forward counting its calls: ``self.stats.n += 1``), whose new value
+    is a function of those inputs, and the rest (for :func:`plan`). ``lifted``: (path, (mapping,
+    key)) of each lifted number; ``symbols``: each input's symbol -> its index. Returns ((path,
+    Python expression over ``h<index>``), ...) to set after every call (``guards.ValueGuards
+    .assign``), and the rest."""
+    from sympy.printing.pycode import pycode
+
+    code = unwrapped(fn).__code__
+    own = {line for *_, line in code.co_lines() if line}
+    out, rest = [], []
+    for c in changes:
+        at = c.where
+        targets = [next((p for p, (m, k) in lifted if m is mapping and k == key), None)
+                   for mapping, key, _ in c.slots]
+        values = [_expression(v, symbols, pycode) for *_, v in c.slots]
+        if not c.slots or None in targets or None in values or (
+                at is not None and at[0] == code.co_filename and at[1] in own):
+            rest.append(c)
+            continue
+        out += zip(targets, values)
+    return tuple(out), rest
+
+
+def _expression(value, symbols: dict, pycode) -> str | None:
+    """``value`` (a number, or a symbolic one over ``symbols`` only) as Python over ``h<i>``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value)
+    if not isinstance(value, (torch.SymInt, torch.SymFloat)):
+        return None
+    expr = value.node.expr
+    if not expr.free_symbols <= symbols.keys():
+        return None
+    import sympy
+
+    return pycode(expr.xreplace({s: sympy.Symbol(f"h{symbols[s]}") for s in expr.free_symbols}))
+
+
 def drop_guards_after_tensor_work(fn: Callable, gm: torch.fx.GraphModule, shape_env) -> None:
     """Remove from ``shape_env`` the guards the step's own lines made after its last tensor
     operation (``model.kl_w = min(1, model.kl_w + .25)`` on a lifted number compares it): the

@@ -684,7 +684,8 @@ class CompiledGraph:
         (``checks_ranks_inside``; consistency.agreement_in_flight)."""
         sig = self.traced.signature
         params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
-        flat = self._bind(sa, mesh, self.with_lifted(hparams), accumulated, params)
+        numbers = self.with_lifted(hparams)
+        flat = self._bind(sa, mesh, numbers, accumulated, params)
         flat += WORKSPACES.buffers(sig.workspaces)
         if self.checks_ranks_inside:
             flat.append(agreement)
@@ -703,6 +704,8 @@ class CompiledGraph:
             accumulated.clear()
         for fqn, g in zip(sig.kept_grads, outs.kept_grads):
             params[fqn].grad = grad_like(g, params[fqn], mesh)
+        if self.traced.assignments:  # numbers the step assigns outside its own lines
+            self.values.assign(self.traced.assignments, numbers)
         leaves = outs.user
         for j in sorted(self.traced.out_constants):
             leaves.insert(j, self.traced.out_constants[j])

@@ -70,6 +70,8 @@ class Change:
 
     what: str
     line: str | None = None
+    # (attribute dict or globals, name, value after the step's code ran) of what changed
+    slots: tuple = ()
 
     @property
     def where(self) -> tuple[str, int] | None:
@@ -344,18 +346,22 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str
         forward = _stores(type(m).forward, "STORE_ATTR")
         out += [Change(f"attribute {a!r} of module {name or '<root>'!r} ({type(m).__name__})",
                         _line(type(m).forward, forward[a]) if a in forward else
-                        _line(fn, stores.get(a))) for a in changed]
+                        _line(fn, stores.get(a)), ((m.__dict__, a, m.__dict__.get(a)),))
+                for a in changed]
     for label, var, obj, before in snap.objects:
         changed = _diff(before, _attrs(obj))
         if changed:
             line = next((stores[a] for a in changed if a in stores), _use_line(fn, var))
             what = f"the contents of a {type(obj).__name__} ({label})" if type(obj) in _CONTAINERS \
                 else f"{type(obj).__name__} object ({label}): attribute(s) {', '.join(map(str, changed))}"
+            attrs = _attrs(obj)
+            slots = () if type(obj) in _CONTAINERS else tuple((attrs, a, attrs.get(a)) for a in changed)
             out.append(Change(what, _line(fn, line) if line is not None else
-                              _forward_line(snap.modules, changed)))
+                              _forward_line(snap.modules, changed), slots))
     for n, line in assigned.items():
         if not _same(snap.globals[n], fn.__globals__.get(n, _MISSING)):
-            out.append(Change(f"global {n!r}", _line(fn, line)))
+            out.append(Change(f"global {n!r}", _line(fn, line),
+                              ((fn.__globals__, n, fn.__globals__.get(n)),)))
     return out
 
 

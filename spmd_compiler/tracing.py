@@ -61,7 +61,7 @@ from .errors import (
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
-from .side_effects import step_constants, warn_value_reads, watch as watch_side_effects
+from .side_effects import SideEffectError, step_constants, warn_value_reads, watch as watch_side_effects
 from . import guards, replay
 from .mixed_precision import cast_forward
 from . import subclass_params as subclasses
@@ -141,6 +141,12 @@ class TracedStep:
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
     # statements of the step run again after every call (spmd_compiler/replay.py)
     replay: tuple[str, ...] = ()
+    # (path, Python expression over h<index>) of lifted numbers assigned outside the step's own
+    # lines (a forward's counter), set after every call (replay.lifted_assignments)
+    assignments: tuple = ()
+    # a SideEffectError this recording could not avoid, raised unless a recording with the
+    # numbers the step writes lifted replaces it (guards.record_lifting)
+    deferred_error: Any = None
 
     # The signature's parts under their earlier names.
     param_fqns = property(lambda self: list(self.signature.params))
@@ -322,20 +328,23 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
 
 
 @contextlib.contextmanager
-def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_of, fuse=False):
+def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_of, fuse=False,
+                     unfused=frozenset()):
     """Point the optimizers at fake params/states/lifted hparams; record each param's grad node.
-    With ``fuse``, every param group that can runs its optimizer's fused implementation."""
+    With ``fuse``, every param group that can runs its optimizer's fused implementation (not
+    those that read a number per call besides the learning rate: ``_fused_here``)."""
     saved = []
     hooks = []
     hp = iter(hparams)
-    for opt in optimizers:
+    for k, opt in enumerate(optimizers):
         groups = [dict(g) for g in opt.param_groups]
         saved.append((opt, groups, opt.state))
         inputs = [group_inputs(g) for g in opt.param_groups]
-        if fuse:
-            for g, names in zip(opt.param_groups, inputs):
-                if fusable(opt, g) and names == LIFTED_HPARAMS:
-                    g["fused"], g["foreach"] = True, False
+        for gi, g in enumerate(opt.param_groups):
+            if fuse and fusable(opt, g) and _fused_here(opt, k, gi, g, unfused):
+                g["fused"], g["foreach"] = True, False
+            elif (k, gi) in unfused and g.get("fused"):
+                g["fused"] = False  # (asked for by the user, or by fuse_optimizer before)
         new_state = defaultdict(dict)
         for p, st in opt.state.items():
             fp = fake_of[id(p)]
@@ -531,7 +540,21 @@ class _ModuleState:
         return next(p for p in self.params if self.fqn_of[id(p)] == key[0])
 
 
-def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool):
+def _groups_with_lifted_entries(lift) -> set[tuple[int, int]]:
+    """(optimizer, group) of the param groups one of whose entries (``weight_decay``, ``betas``)
+    is a lifted number: they run the optimizer's own implementation, which reads it as a number
+    (a fused kernel takes it as a constant)."""
+    return {(p[0][1], p[1][1]) for p in lift
+            if p[0][0] == "optimizer" and len(p) == 3 and p[1][0] == "group"}
+
+
+def _fused_here(opt, k: int, gi: int, group: dict, unfused: set) -> bool:
+    """Does group ``gi`` of optimizer ``k`` keep the fused kernel this recording may give it:
+    no number it reads per call but the learning rate."""
+    return group_inputs(group) == LIFTED_HPARAMS and (k, gi) not in unfused
+
+
+def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool, unfused: set = frozenset()):
     """The lifted hyperparameters (``lr`` of each param group, and a momentum a scheduler cycles:
     ``call_args.group_inputs``) as graph inputs: (fake values,
     Python values, bound as a tensor?). A fused kernel takes its learning rate as a float64 0-d
@@ -546,10 +569,10 @@ def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool):
                         f"supported; use a Python float (schedulers that change it work)."
                     )
     hparams, values, as_tensors = [], [], []
-    for opt in sa.optimizers:
-        for g in opt.param_groups:
+    for k, opt in enumerate(sa.optimizers):
+        for gi, g in enumerate(opt.param_groups):
             as_tensor = fusable(opt, g) and (fuse_optimizer or bool(g.get("fused"))) and \
-                group_inputs(g) == LIFTED_HPARAMS
+                _fused_here(opt, k, gi, g, unfused)
             for k, value in enumerate(group_input_values(g)):
                 name = "lr" if k == 0 else "momentum"
                 values.append(value)
@@ -571,10 +594,11 @@ class _StatelessStep:
 
     def __init__(self, fn: Callable, sa: StepArgs, st: _ModuleState, counts: list[int],
                  num_inputs: int, reads, fuse_optimizer: bool, mp_policy, accumulation,
-                 lifted: tuple = ((), {}, 0)):
+                 lifted: tuple = ((), {}, 0), unfused: set = frozenset()):
         self.fn, self.sa, self.st, self.counts, self.num_inputs = fn, sa, st, counts, num_inputs
         # (paths, roots, number of learning rates) of the numbers the step reads, lifted
         self.lifted = lifted
+        self.unfused = unfused  # param groups recorded with their optimizer's own implementation
         self.reads, self.fuse, self.mp_policy, self.accumulation = (
             reads, fuse_optimizer, mp_policy, accumulation)
         self.grad_nodes: dict[str, torch.fx.Node] = {}
@@ -607,8 +631,8 @@ class _StatelessStep:
         regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD)
         with _reparametrize_module(sa.module, by_name, strict=False), regions, \
                 refuse_reentrant_checkpoint(_reentrant_checkpoint_error), _bind_optimizers(
-            sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse
-        ), self.reads, compiling_forward(sa.module), cast_forward(sa.module, self.mp_policy), \
+            sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse,
+            self.unfused), self.reads, compiling_forward(sa.module), cast_forward(sa.module, self.mp_policy), \
                 accumulating(sa.optimizers, sa.module, list(zip(trainable, grads)), self.accumulation), \
                 guards.substituted(*self.lifted[:2], lifted[self.lifted[2]:]), \
                 watch_side_effects(self.fn, sa.module, sa.optimizers, step_constants(sa),
@@ -706,10 +730,16 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         lambda t: fake_static(t, owners.get(id(t))), shard,
         leaf=lambda p: p.requires_grad and tp.plan_of(p) is None)
     fake_buffers = [fake_static(b) for b in st.buffers]
-    hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer)
+    unfused = _groups_with_lifted_entries(lift)
+    hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer,
+                                                           unfused)
     lifted = (list(lift), guards.step_roots(fn, sa), len(hparams))
-    _lift_numbers(guards.lifted_numbers(lift, lifted[1]), shape_env, hparams, hparam_values,
-                  hparam_tensors)
+    numbers = guards.lifted_numbers(lift, lifted[1])
+    _lift_numbers(guards.flat_numbers(numbers), shape_env, hparams, hparam_values, hparam_tensors)
+    # the optimizers' numbers: the group inputs, then the lifted param-group entries
+    optimizer_numbers = list(range(lifted[2])) + [lifted[2] + i for i, path in enumerate(
+        p for p, v in zip(lift, numbers) for _ in (v if isinstance(v, tuple) else (v,)))
+        if path[0][0] == "optimizer"]
     fake_inputs = _fake_inputs(fake_mode, sa, dynamic_dims)
     counts = [len(fake_params), len(fake_buffers), len(fake_states), len(hparams)]
     trainable = [p for p in st.params if p.requires_grad] if accumulation else []
@@ -717,13 +747,13 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                  enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
     reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
     step = _StatelessStep(fn, sa, st, counts, len(fake_inputs), reads, fuse_optimizer, mp_policy,
-                          accumulation, lifted)
+                          accumulation, lifted, unfused)
     step.subclasses = recording
     codes: dict = {}  # code objects that ran -> their globals
     gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
                                     *fake_inputs, *[fake_static(p) for p in trainable]], codes)
     replay.drop_guards_after_tensor_work(fn, gm, shape_env)
-    conditions = _hparam_conditions(shape_env, hparams[:counts[3] - len(lift)])
+    conditions = _hparam_conditions(shape_env, {i: hparams[i] for i in optimizer_numbers})
     value_guards, source_files = guards.collect(fn, sa, codes, list(lift))
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
@@ -736,7 +766,17 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     _finish_graph(gm, signature, sa, step.grad_nodes, dynamic_dims)
     subclasses.mark_gathered(gm, recording.hooked, recording.described)
     warn_value_reads(reads.user_reads)
-    after_call = replay.plan(fn, step.changed, gm, sa, user_line_here)
+    symbols = {hparams[i].node._expr: i for i in range(lifted[2], len(hparams))
+               if isinstance(hparams[i], (torch.SymInt, torch.SymFloat))}
+    assignments, changed = replay.lifted_assignments(
+        fn, step.changed, [(p, guards.slot(p, lifted[1])) for p in lift], symbols)
+    after_call, deferred = (), None
+    try:
+        after_call = replay.plan(fn, changed, gm, sa, user_line_here)
+    except SideEffectError as e:
+        if not any(g.written and not g.lifted for g in value_guards):
+            raise
+        deferred = e  # recorded again with the numbers it writes as inputs
     return TracedStep(
         gm=gm,
         shape_env=shape_env,
@@ -755,6 +795,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         out_spec=step.out_spec,
         out_constants=step.out_constants,
         replay=after_call,
+        assignments=assignments,
+        deferred_error=deferred,
     )
 
 
@@ -792,15 +834,15 @@ def _trainable(sa: StepArgs) -> set[str]:
     return {n for n, p in sa.module.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
-def _hparam_conditions(shape_env, group_inputs: list) -> tuple[str, ...]:
+def _hparam_conditions(shape_env, numbers: dict) -> tuple[str, ...]:
     """Take out of ``shape_env`` the guards on the optimizers' lifted numbers alone (SGD's
-    ``if momentum != 0``) and return them as Python conditions over ``h<index>``, checked on
-    every call: a scheduler's next momentum fits the program as long as the branch it took
-    holds."""
+    ``if momentum != 0``; ``numbers``: index -> symbolic number) and return them as Python
+    conditions over ``h<index>``, checked on every call: a scheduler's next momentum fits the
+    program as long as the branch it took holds."""
     from sympy.printing.pycode import pycode
 
-    names = {h.node._expr: sympy.Symbol(f"h{i}") for i, h in enumerate(group_inputs)
-             if isinstance(h, torch.SymFloat)}
+    names = {h.node._expr: sympy.Symbol(f"h{i}") for i, h in numbers.items()
+             if isinstance(h, (torch.SymFloat, torch.SymInt))}
     mine = [g for g in shape_env.guards if g.expr.free_symbols and g.expr.free_symbols <= names.keys()]
     shape_env.guards[:] = [g for g in shape_env.guards if g not in mine]
     return tuple(dict.fromkeys(pycode(g.expr.xreplace(names)) for g in mine))

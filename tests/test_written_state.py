@@ -5,8 +5,10 @@ global step counter in a loss weight, a trainer's auxiliary weight halved each s
 forward counts up on a plain object) is a program input read at every call, and the assignment
 runs again after every call: training matches DDP step for step. A bound-method step
 (``Trainer.step``) watches its instance like any argument: a counter on ``self`` counts on every
-rank. A change that cannot be repeated (a forward counting its calls on a plain object and using
-the count) raises a SideEffectError naming the line, on every rank, and changes nothing.
+rank. A forward counting its calls on a plain object and using the count gets the count as an
+input and its new value set after each call. A change that cannot be repeated (a forward's count
+capped with ``min``: a branch on the input) raises a SideEffectError naming the line, on every
+rank, and changes nothing.
 
 DDP runs the same step eagerly on the same per-rank batches; every parameter and optimizer state
 is compared after each step (rtol 1e-5, atol 1e-6); block reuse and the shared compile are on.
@@ -51,6 +53,16 @@ class CountingNet(Net):
 
     def forward(self, x):
         self.stats.n += 1
+        return self.b(torch.tanh(self.a(x))) * (1.0 + 0.5 * self.stats.n)
+
+
+class CappedCountingNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.stats = Counter()
+
+    def forward(self, x):
+        self.stats.n = min(self.stats.n + 1, 3)
         return self.b(torch.tanh(self.a(x))) * (1.0 + 0.5 * self.stats.n)
 
 
@@ -196,14 +208,39 @@ def test_bound_method_step_counts_on_every_rank(pool2):
     _run(pool2, "trainer steps", "replicate")
 
 
+def forward_counter_job(style: str) -> dict:
+    """A forward that counts its calls on a plain object and uses the count: the count is a
+    program input, and its new value (a function of it) is set after every call."""
+    model, opt, ref, ref_opt = _pair(CountingNet, _adam)
+    from spmd_compiler import DataParallel, spmd_compile
+
+    step = spmd_compile(DataParallel(style))(plain_step)
+    check = ParityChecker(RTOL, ATOL)
+    for i in range(STEPS):
+        step(model, opt, _batch(i))
+        plain_step(ref, ref_opt, _batch(i))
+        check.check(model.stats.n == ref.module.stats.n == i + 1,
+                    f"step {i}: count {model.stats.n} vs DDP's {ref.module.stats.n}")
+        _compare(check, model, opt, ref, ref_opt, f"step {i}")
+    return {"problems": check.problems, "compiles": step.compile_count}
+
+
+def test_forward_counting_on_a_plain_object(pool2):
+    for style in ("replicate", "fully_shard"):
+        for rank, res in enumerate(pool2.run(forward_counter_job, style)):
+            assert not res["problems"], (style, rank, res["problems"])
+            assert res["compiles"] == 1, (style, rank, res["compiles"])
+
+
 def forward_counter_refused_job() -> dict:
-    """A forward that counts its calls on a plain object and uses the count: the count cannot
-    be repeated after each call (it is not a statement of the step), so the first call raises,
-    naming the line, and leaves the counter and the model as they were."""
+    """A forward that counts with a branch on the count (``min``) cannot be repeated after the
+    call (the new value is not a function of the inputs alone, and no statement of the step
+    makes it): the first call raises, naming the line, and leaves the counter and the model as
+    they were."""
     from spmd_compiler import DataParallel, spmd_compile
     from spmd_compiler.side_effects import SideEffectError
 
-    model, opt, *_ = _pair(CountingNet, _adam)
+    model, opt, *_ = _pair(CappedCountingNet, _adam)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     step = spmd_compile(DataParallel("replicate"))(plain_step)
     try:
@@ -215,9 +252,9 @@ def forward_counter_refused_job() -> dict:
     return {"error": error, "count": model.stats.n, "unchanged": same and not opt.state}
 
 
-def test_forward_counting_on_a_plain_object_raises_on_every_rank(pool2):
+def test_forward_counting_that_branches_raises_on_every_rank(pool2):
     for res in pool2.run(forward_counter_refused_job):
-        assert res["error"] is not None and "self.stats.n += 1" in res["error"], res
+        assert res["error"] is not None and "self.stats.n = min(" in res["error"], res
         assert "attribute(s) n" in res["error"], res["error"]
         assert res["count"] == 0 and res["unchanged"], res
 
@@ -297,3 +334,32 @@ def test_float8_output_dtype_is_refused_at_the_first_call(pool2):
         for res in pool2.run(float8_output_job, style):
             assert res["error"] and "output_dtype=torch.float8_e4m3fn" in res["error"], res
             assert res["unchanged"] and res["trains"], res
+
+
+def weight_decay_schedule_job(kind: str) -> dict:
+    """A weight-decay schedule set in the param groups between calls (as DINO's and others'
+    training loops do) and Adam's betas changed between calls: parameters and optimizer states
+    match DDP's after every step, and the step compiles once more when a value first changes,
+    never once per step."""
+    from spmd_compiler import DataParallel, spmd_compile
+
+    model, opt, ref, ref_opt = _pair(Net, lambda m: torch.optim.AdamW(m.parameters(), lr=0.05))
+    step = spmd_compile(DataParallel("replicate"))(plain_step)
+    check = ParityChecker(RTOL, ATOL)
+    for i in range(6):
+        for g in opt.param_groups + ref_opt.param_groups:
+            if kind == "weight_decay":
+                g["weight_decay"] = 0.01 + 0.02 * i
+            else:
+                g["betas"] = (0.9 - 0.01 * i, 0.999)
+        step(model, opt, _batch(i))
+        plain_step(ref, ref_opt, _batch(i))
+        _compare(check, model, opt, ref, ref_opt, f"step {i}")
+    return {"problems": check.problems, "compiles": step.compile_count}
+
+
+def test_a_weight_decay_schedule_compiles_once_more(pool2):
+    for kind in ("weight_decay", "betas"):
+        for rank, res in enumerate(pool2.run(weight_decay_schedule_job, kind)):
+            assert not res["problems"], (kind, rank, res["problems"])
+            assert res["compiles"] == 2, (kind, rank, res["compiles"])
