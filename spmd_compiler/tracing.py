@@ -752,7 +752,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     codes: dict = {}  # code objects that ran -> their globals
     gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
                                     *fake_inputs, *[fake_static(p) for p in trainable]], codes)
-    replay.drop_guards_after_tensor_work(fn, gm, shape_env)
+    dropped = replay.drop_guards_after_tensor_work(fn, gm, shape_env)
     conditions = _hparam_conditions(shape_env, {i: hparams[i] for i in optimizer_numbers})
     value_guards, source_files = guards.collect(fn, sa, codes, list(lift))
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
@@ -768,11 +768,11 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     warn_value_reads(reads.user_reads)
     symbols = {hparams[i].node._expr: i for i in range(lifted[2], len(hparams))
                if isinstance(hparams[i], (torch.SymInt, torch.SymFloat))}
-    assignments, changed = replay.lifted_assignments(
-        fn, step.changed, [(p, guards.slot(p, lifted[1])) for p in lift], symbols)
-    after_call, deferred = (), None
+    after_call, assignments, deferred = (), (), None
     try:
-        after_call = replay.plan(fn, changed, gm, sa, user_line_here)
+        after_call, assignments = replay.plan_with_assignments(
+            fn, step.changed, gm, sa, user_line_here,
+            [(p, guards.slot(p, lifted[1])) for p in lift], symbols, dropped)
     except SideEffectError as e:
         if not any(g.written and not g.lifted for g in value_guards):
             raise

@@ -81,6 +81,17 @@ def kl_warmup_step(model, opt, batch):
     return loss
 
 
+def warmup_first_step(model, opt, batch):
+    model.kl_w = model.kl_w + 0.25
+    opt.zero_grad()
+    x, y = batch
+    out = model(x)
+    loss = F.mse_loss(out, y) + model.kl_w * out.pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def global_counter_step(model, opt, batch):
     global GLOBAL_STEP
     opt.zero_grad()
@@ -168,7 +179,8 @@ def written_and_read_job(case: str, style: str) -> dict:
                     f"trainer state {trainer.aux_w, trainer.steps} vs "
                     f"{ref_trainer.aux_w, ref_trainer.steps}")
         return {"problems": check.problems, "compiles": step.compile_count}
-    fn = {"kl warm-up": kl_warmup_step, "global counter": global_counter_step}[case]
+    fn = {"kl warm-up": kl_warmup_step, "global counter": global_counter_step,
+          "warm-up first": warmup_first_step}[case]
     step = spmd_compile(DataParallel(style))(fn)
     for i in range(STEPS):
         GLOBAL_STEP = i
@@ -194,6 +206,10 @@ def _run(pool, case, style):
 def test_kl_warmup_weight_on_the_model_is_read_on_every_call(pool2):
     _run(pool2, "kl warm-up", "replicate")
     _run(pool2, "kl warm-up", "fully_shard")
+
+
+def test_a_weight_raised_before_the_tensor_work(pool2):
+    _run(pool2, "warm-up first", "replicate")
 
 
 def test_global_step_counter_in_the_loss_weight(pool2):
