@@ -6,7 +6,7 @@ step is recorded, the root module's forward sees every floating-point parameter 
 floating-point inputs cast to ``param_dtype`` (``cast_forward_inputs``) and its floating-point
 outputs cast to ``output_dtype``, as FSDP2's pre- and post-forward hooks do. Autograd records
 the casts' backward, so each gradient is computed in ``param_dtype`` and arrives in the
-parameter's dtype; the expansion then reduces it in :func:`reduce_dtype_of` the policy and the
+parameter's dtype; the expansion then reduces it in ``parallel_mode.reduce_dtype_of`` the policy and the
 optimizer updates the fp32 parameters. fully_shard gathers a parameter whose every use is such a
 cast in the cast dtype (passes/fully_shard.py casts the shard before the gather, as FSDP2 does).
 """
@@ -16,53 +16,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .torch_internals import pytree
-from .errors import MixedPrecisionError
+from ..torch_internals import pytree
 from .per_call_parameters import parameters_replaced_per_call
-
-
-# Dtypes the backends reduce and gather (gloo raises "Invalid scalar type" on float8 types).
-_COLLECTIVE_DTYPES = {
-    "gloo": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
-    "nccl": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
-}
-
-
-def check_policy(policy, backend: str | None = None) -> None:
-    """Raise a MixedPrecisionError for anything but a ``MixedPrecisionPolicy`` whose dtypes are
-    floating point and, under ``backend``, dtypes the backend can gather (``param_dtype``) and
-    reduce (the reduce dtype)."""
-    if policy is None:
-        return
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise MixedPrecisionError(
-            f"DataParallel(mp_policy=...) takes a torch.distributed.fsdp.MixedPrecisionPolicy, "
-            f"got {type(policy).__name__}")
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype = getattr(policy, field)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise MixedPrecisionError(
-                f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype, got {dtype!r}")
-    supported = _COLLECTIVE_DTYPES.get(str(backend).lower()) if backend else None
-    if supported is None:
-        return
-    for field, dtype, what in (("param_dtype", policy.param_dtype, "all-gather"),
-                               ("reduce_dtype", reduce_dtype_of(policy), "reduce")):
-        if dtype is not None and dtype not in supported:
-            raise MixedPrecisionError(
-                f"MixedPrecisionPolicy.{field}={dtype}: the {backend} backend cannot {what} "
-                f"{dtype} tensors (it supports {', '.join(map(str, supported))}); choose one of "
-                f"those")
-
-
-def reduce_dtype_of(policy) -> torch.dtype | None:
-    """The dtype gradients are reduced in (FSDP2: ``reduce_dtype``, else ``param_dtype``);
-    None: the gradient's own dtype."""
-    if policy is None:
-        return None
-    return policy.reduce_dtype or policy.param_dtype
 
 
 def _cast(dtype: torch.dtype | None, tree):
