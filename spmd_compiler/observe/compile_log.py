@@ -30,7 +30,7 @@ def _first_rank() -> bool:
 
 
 def reason(old: tuple | None, new: tuple) -> str | None:
-    """Why a step with static key ``new`` compiles again after ``old`` (api.step_key's named
+    """Why a step with static key ``new`` compiles again after ``old`` (runtime/dispatch.step_key's named
     components), in plain words; None for a first compile."""
     if old is None:
         return None
@@ -85,11 +85,11 @@ def announce(name: str, style: str, nodes: int, seconds: dict[str, float], loade
 
 
 def guard_miss(programs: list, key: tuple, sa) -> str | None:
-    """Why the newest of ``programs`` (runtime.CompiledGraph) compiled for the static ``key``
+    """Why the newest of ``programs`` (runtime.program.CompiledGraph) compiled for the static ``key``
     does not serve the call with arguments ``sa``, in plain words: the input, its dim and size
     (or the value) and what the program was compiled for; None if no program has that key."""
-    from .runtime import lifted_hparams
-    from .tensor_parallel import graph_inputs
+    from ..runtime.call_args import lifted_hparams
+    from ..features.tensor_parallel import graph_inputs
 
     entry = next((e for e in reversed(programs) if e.static_key == key), None)
     if entry is None:

@@ -14,7 +14,7 @@ optimizers (class, hyperparameters but the lifted learning rate, parameter group
 structure); the batch's structure, dtypes, batch dims, the dims traced as symbolic sizes and the
 sizes of the others; non-tensor arguments; torch's default dtype and grad/autocast mode.
 
-**Values.** A stored program keeps its value guards (spmd_compiler/guards.py: every Python
+**Values.** A stored program keeps its value guards (spmd_compiler/trace/guards.py: every Python
 value the recording read, by its path from the step's model, optimizers and function and by
 value). A program whose guards fail on the current objects is not loaded: a setting changed at
 run time (argparse, the environment, an edited config module) compiles again.
@@ -63,8 +63,9 @@ from typing import Any, Callable
 
 import torch
 
-from .torch_internals import pytree
-from .tracing import StepArgs, TracedStep
+from ..torch_internals import pytree
+from ..runtime.call_args import StepArgs
+from ..runtime.signature import TracedStep
 
 log = logging.getLogger("spmd_compiler")
 
@@ -93,7 +94,7 @@ class StoredProgram:
     constants: dict[str, torch.Tensor]  # attributes the code reads from ``self``
     traced: dict[str, Any]  # the TracedStep fields the runtime reads
     guard_code: str | None
-    graph_description: dict[str, Any]  # consistency.describe_graph of the program
+    graph_description: dict[str, Any]  # program_check.describe_graph of the program
     num_nodes: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
     summary: Any = None  # visualize.Summary of the program, when it was made
@@ -137,7 +138,7 @@ def agree(on: bool, described: str, found: bool, group) -> tuple[bool, bool]:
     """(use the cache, load the programs found) as every rank of ``group`` decides together:
     the cache only if it is on for every rank (else off everywhere, with a warning naming each
     rank's setting), loading only if every rank found a usable program (else all compile)."""
-    from .consistency import exchange_objects
+    from ..runtime.agreement import exchange_objects
 
     views = exchange_objects((on, described, found), group)
     if any(v[0] for v in views) and not all(v[0] for v in views):
@@ -168,8 +169,8 @@ def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs,
     the runtime passes (``agreement``: the per-call agreement last), its fields describe a
     program for these arguments and its value guards hold on the current objects; else None,
     logged (the compile that follows rewrites the file)."""
-    from . import guards
-    from .consistency import describe_program
+    from ..trace import guards
+    from .program_check import describe_program
 
     if program is None:
         return None
@@ -330,13 +331,13 @@ def _module_structure(module: torch.nn.Module, fp: _Fingerprint) -> list:
 def _hooks(hooks: dict) -> list:
     """A module's hooks in order, without their handle ids (a process-wide counter) and without
     the hooks that let the placed model run outside the compiled step (spmd_compiler.eager)."""
-    from . import eager
+    from ..state import eager
 
     return [v for v in hooks.values() if getattr(v, "__module__", None) != eager.__name__]
 
 
 def _optimizer_structure(opt: torch.optim.Optimizer, module: torch.nn.Module, fp: _Fingerprint):
-    from .call_args import group_inputs
+    from ..runtime.call_args import group_inputs
 
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -462,16 +463,21 @@ def _qualname(obj) -> str:
 @functools.cache
 def _package_hash() -> str:
     """sha256 over this package's own source files (a development edit invalidates the cache)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
     passes = os.path.dirname(os.path.abspath(importlib.import_module("spmd_compiler.passes").__file__))
     h = hashlib.sha256()
     for folder in (here, passes):
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                h.update(name.encode())
-                with open(os.path.join(folder, name), "rb") as f:
-                    h.update(f.read())
+        for name in _python_files(folder):
+            h.update(name.encode())
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(f.read())
     return h.hexdigest()
+
+
+def _python_files(folder: str) -> list[str]:
+    """The .py files under ``folder`` (subpackages too), as sorted relative paths."""
+    return sorted(os.path.relpath(os.path.join(d, name), folder)
+                  for d, _, names in os.walk(folder) for name in names if name.endswith(".py"))
 
 
 def file_hash(path: str) -> str | None:
@@ -527,7 +533,7 @@ def lookup(cache: tuple[str | None, str], sa: StepArgs, dynamic_dims: dict[int, 
 
 
 def save(cache_dir: str, key: str, sa: StepArgs, fn: Callable, entry, ready, summary) -> None:
-    """Store a compiled eager program (``entry``, a runtime.CompiledGraph, built as ``ready``);
+    """Store a compiled eager program (``entry``, a runtime.program.CompiledGraph, built as ``ready``);
     a program that cannot be stored is logged, never raised."""
     try:
         program = pack(key, entry.traced, ready.runnable, entry.guard_code, ready.graph,

@@ -38,9 +38,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .torch_internals import FakeTensor, dtensor_from_spec, dtensor_spec, is_dim_shard, local_tensor
-from .errors import StepSignatureError
-from .runtime import communication_failures, is_sharded, local_buffer, shard_dim, shard_size
+from ..torch_internals import (
+    FakeTensor,
+    dtensor_from_spec,
+    dtensor_spec,
+    is_dim_shard,
+    local_tensor,
+)
+from ..errors import StepSignatureError
+from .placement import communication_failures, is_sharded, local_buffer, shard_dim, shard_size
 
 log = logging.getLogger("spmd_compiler")
 

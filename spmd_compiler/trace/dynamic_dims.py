@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .consistency import exchange_objects
-from .tracing import StepArgs, TracedStep
+from ..runtime.agreement import exchange_objects
+from ..runtime.call_args import StepArgs
+from ..runtime.signature import TracedStep
 
 
 class InputShapeHistory:

@@ -15,7 +15,7 @@ code). The names this code reads (``co_names``) select, among
 - every entry of the optimizers' ``param_groups`` but ``params`` and the lifted learning rate,
 
 the plain values (but names the code that ran assigns: state the step writes, which
-spmd_compiler/side_effects.py replays): numbers, strings, bools, None, enum members and tuples of them (and those of a
+spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enum members and tuples of them (and those of a
 plain dict reached so, under a string key the user's code names). Each is a
 ``ValueGuard``: its name as the user would write it, a path from the step's roots to it (valid
 in another process: the disk cache checks stored programs with the same guards), the value at
@@ -23,7 +23,7 @@ recording and the line that read it. Objects and modules along the way are follo
 levels deep; a container replaced after the compile (a global rebound to another object) is
 not noticed, only the values inside the one that was read.
 
-**Checked** on every call with the program's other guards (``runtime.CompiledGraph.guards_hold``):
+**Checked** on every call with the program's other guards (``runtime.program.CompiledGraph.guards_hold``):
 a dict lookup and an equality per guard. A change recompiles (logged on the ``spmd_compiler``
 logger with the name, the old and new value and the reading line) and, when the value is a
 number, the recompile records it as a program input instead (a symbolic number, passed on every
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dis
-import enum
 import functools
 import logging
 import math
@@ -48,20 +47,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .call_args import group_inputs
+from ..runtime.call_args import group_inputs
+from ..runtime.dispatch import is_plain
 
 _MISSING = object()
 _MAX_DEPTH = 3
 # module attributes that are structure (in the step's static key) or bookkeeping, not values
 _SKIPPED_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training", "_spmd_eager"})
 _NUMBERS = (int, float)
-
-
-def is_plain(v: Any) -> bool:
-    """A value a program may hold as a constant and a guard compares by equality."""
-    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, enum.Enum)):
-        return not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
-    return type(v) is tuple and len(v) <= 16 and all(is_plain(x) for x in v)
 
 
 @dataclass(frozen=True)
@@ -78,7 +71,7 @@ class ValueGuard:
 
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
     paths = sysconfig.get_paths()
     return tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), here,
                                                 paths["stdlib"], paths["platstdlib"]))
@@ -394,7 +387,7 @@ class _Collector:
                     todo.append(f.__code__)
         self.names = set().union(*(c.co_names for c in self.codes))
         # names the code that ran assigns (self.n += 1, global n): state the step writes, which
-        # spmd_compiler/side_effects.py replays after each call; not a constant to guard
+        # spmd_compiler/trace/side_effects.py replays after each call; not a constant to guard
         self.stored = set().union(*(_stored_names(c) for c in self.codes))
         self.user_stored = set().union(*(_stored_names(c) for c in self.codes
                                          if is_user_file(c.co_filename)))
@@ -529,7 +522,7 @@ def record_lifting(policy: LiftPolicy | None, record: Callable[[list], Any]):
     again with them as constants (kept so by the policy from then on). A lifted number the
     recording guarded on (a size, a branch, a float argument) is recorded again as a constant
     too: the graph's guard expression cannot name a lifted input."""
-    from .errors import SPMDError
+    from ..errors import SPMDError
 
     lift = list(policy.lift) if policy is not None else []
     try:
@@ -568,7 +561,7 @@ def bind(traced, fn: Callable, sa) -> ValueGuards:
 
 
 def recompile_reason(programs: list, key: tuple, policy: LiftPolicy) -> str | None:
-    """Which Python values read by the newest of ``programs`` (runtime.CompiledGraph) for the
+    """Which Python values read by the newest of ``programs`` (runtime.program.CompiledGraph) for the
     static ``key`` changed, for the log; the numbers among them are lifted by ``policy`` from
     the next recording on."""
     for entry in reversed(programs):

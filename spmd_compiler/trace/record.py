@@ -19,7 +19,7 @@ import contextlib
 import os
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import sympy
@@ -31,7 +31,7 @@ from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
 
 from . import fake_kernels  # noqa: F401  (Meta kernels the fused optimizers lack)
-from .torch_internals import (
+from ..torch_internals import (
     ConstantSource,
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -45,14 +45,13 @@ from .torch_internals import (
     compiling_forward,
     faster_symbolic_recording,
     get_proxy_mode,
-    marked_dynamic_dims,
     pytree,
     refuse_reentrant_checkpoint,
     size_oblivious_reshape,
     tag_regions,
     user_line_here,
 )
-from .errors import (
+from ..errors import (
     BatchDimError,
     MissingGradientError,
     SPMDError,
@@ -63,216 +62,24 @@ from .errors import (
 from .trace_values import ReadConstantValues
 from .side_effects import SideEffectError, step_constants, warn_value_reads, watch as watch_side_effects
 from . import guards, replay
-from .mixed_precision import cast_forward
-from . import subclass_params as subclasses
-from .accumulation import ACCUMULATE, accumulating
-from .signature import StepSignature, split_inputs
-from . import tensor_parallel as tp
-from .halo_conv import halo_convolution
-from .call_args import flatten_step_args, group_input_values, group_inputs
+from ..features.mixed_precision import cast_forward
+from ..features import subclass_params as subclasses
+from ..features.accumulation import ACCUMULATE, accumulating
+from ..runtime.signature import StepSignature, TracedStep, split_inputs
+from ..features import tensor_parallel as tp
+from ..features.halo_conv import halo_convolution
+from ..runtime.call_args import (LIFTED_HPARAMS, StepArgs, group_input_values, group_inputs,
+                                  split_step_args)
 from . import block_reuse
 
-LIFTED_HPARAMS = ("lr",)
 
 # Optimizers whose ``fused=True`` implementation computes the same update as their default and
 # ``foreach`` ones (one kernel over all parameters instead of several passes per parameter).
 FUSABLE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
-@dataclass
-class StepArgs:
-    """The step's arguments, split into what the compiler treats differently."""
-
-    module: torch.nn.Module
-    optimizers: list[torch.optim.Optimizer]
-    leaves: list[Any]  # flat leaves of (args, kwargs)
-    spec: pytree.TreeSpec
-    module_index: int
-    optimizer_indices: list[int]
-    input_indices: list[int]  # positions in `leaves` of tensor inputs
-    batch_dims: list[int | None]  # one per input
-    # input leaf -> dims declared dynamic (DataParallel(dynamic_dims=...), mark_dynamic)
-    dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
-
-    def leaf_name(self, i: int) -> str:
-        """How the user would name argument leaf ``i`` (``argument 2[0]``, ``keyword argument 'x'``)."""
-        paths = [p for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(
-            list(range(len(self.leaves))), self.spec))[0]]
-        path = paths[i]
-        head = f"argument {path[1].idx}" if path[0].idx == 0 else f"keyword argument {path[1].key!r}"
-        return head + pytree.keystr(path[2:])
-
-
-@dataclass
-class TracedStep:
-    """A traced step: its graph, its signature and the conditions under which it is valid."""
-
-    gm: torch.fx.GraphModule
-    shape_env: ShapeEnv
-    signature: StepSignature  # what each graph input and output is
-    fake_inputs: list[torch.Tensor]  # fake batch leaves, for guard expressions
-    # (input position, dim, size) of batch dims the trace specialized to a constant (a batch of
-    # one meeting a width-1 layer): the graph is valid only for that size.
-    specialized: list[tuple[int, int, int]] = field(default_factory=list)
-    # input leaf -> non-batch dims traced as symbolic sizes
-    dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    # per input, (dim, size) of the dims the graph holds as constants (checked on every call)
-    static_sizes: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
-    # (leaf, dim, size, user line) of dynamic dims the step specialized to a constant
-    specialized_dims: list[tuple[int, int, int, str]] = field(default_factory=list)
-    # (leaf, dim, user line) of dims that were dynamic until the step tied them to a batch size;
-    # traced static
-    entangled: list[tuple[int, int, str]] = field(default_factory=list)
-    # Python files with code on the stack of any recorded node (what the recording depends on)
-    source_files: list[str] = field(default_factory=list)
-    # (index, value) of hyperparameters the graph holds as constants: a call with another value
-    # needs another graph
-    specialized_hparams: list[tuple[int, float]] = field(default_factory=list)
-    # Python conditions on the optimizers' lifted numbers the recording branched on (SGD's
-    # ``momentum != 0``), over ``h<index>``: the graph serves every value that satisfies them
-    hparam_conditions: tuple[str, ...] = ()
-    # (input position, value) of unbatched inputs whose values the trace read (a mask passed in
-    # and checked for causality): the graph is valid only for inputs equal to these
-    specialized_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # the Python values the step read (spmd_compiler/guards.py): constants in the graph, guarded,
-    # or lifted (trailing hyperparameters, in order)
-    value_guards: list = field(default_factory=list)
-    out_spec: pytree.TreeSpec = None
-    out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
-    # statements of the step run again after every call (spmd_compiler/replay.py)
-    replay: tuple[str, ...] = ()
-    # (path, Python expression over h<index>) of lifted numbers assigned outside the step's own
-    # lines (a forward's counter), set after every call (replay.lifted_assignments)
-    assignments: tuple = ()
-    # a SideEffectError this recording could not avoid, raised unless a recording with the
-    # numbers the step writes lifted replaces it (guards.record_lifting)
-    deferred_error: Any = None
-
-    # The signature's parts under their earlier names.
-    param_fqns = property(lambda self: list(self.signature.params))
-    buffer_fqns = property(lambda self: list(self.signature.buffers))
-    state_keys = property(lambda self: list(self.signature.states))
-    new_state_keys = property(lambda self: list(self.signature.new_states))
-    num_hparams = property(lambda self: len(self.signature.hparams))
-    hparam_tensors = property(lambda self: list(self.signature.hparams))
-    num_tensor_outputs = property(lambda self: self.signature.user_outputs)
-
-
 # ---------------------------------------------------------------------------------------------
 # Arguments
-
-
-def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
-                    dynamic_dims: Any = None) -> StepArgs:
-    """Find the module, the optimizer(s) and the batch leaves among the step's arguments.
-
-    ``dynamic_dims`` (an int, or a pytree of ints/None over the batch arguments) names a
-    non-batch dim per input to trace as a symbolic size; so does ``torch._dynamo.mark_dynamic``
-    on an input tensor."""
-    leaves, spec = flatten_step_args(args, kwargs)
-    modules = [i for i, x in enumerate(leaves) if isinstance(x, torch.nn.Module)]
-    optimizers = [i for i, x in enumerate(leaves) if isinstance(x, torch.optim.Optimizer)]
-    if len(modules) != 1:
-        found = ", ".join(type(leaves[i]).__name__ for i in modules) or "none"
-        raise StepSignatureError(
-            f"the step must receive exactly one torch.nn.Module among its arguments; found "
-            f"{len(modules)} ({found}). Wrap several modules in one parent module."
-        )
-    if not optimizers:
-        raise StepSignatureError(
-            "the step must receive its torch.optim.Optimizer as an argument (none found); the "
-            "compiled step records optimizer.step() together with forward and backward."
-        )
-    inputs = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    batch_dims = _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim)
-    return StepArgs(
-        module=leaves[modules[0]],
-        optimizers=[leaves[i] for i in optimizers],
-        leaves=leaves,
-        spec=spec,
-        module_index=modules[0],
-        optimizer_indices=optimizers,
-        input_indices=inputs,
-        batch_dims=batch_dims,
-        dynamic_dims=_declared_dynamic_dims(args, kwargs, leaves, inputs, dynamic_dims),
-    )
-
-
-def _per_input(args, kwargs, leaves, inputs, value, name: str) -> dict[int, Any]:
-    """Broadcast ``value`` (an int or None, or a pytree of them over the batch arguments) to
-    each input leaf."""
-    if value is None or isinstance(value, int):
-        return {i: value for i in inputs}
-
-    def is_state(x):
-        return isinstance(x, (torch.nn.Module, torch.optim.Optimizer))
-
-    batch_args = tuple(a for a in args if not is_state(a))
-    batch_kwargs = {k: v for k, v in kwargs.items() if not is_state(v)}
-    target = batch_args[0] if len(batch_args) == 1 and not batch_kwargs else (
-        (batch_args, batch_kwargs) if batch_kwargs else batch_args
-    )
-    target_leaves, target_spec = pytree.tree_flatten(target)
-    flat = pytree._broadcast_to_and_flatten(value, target_spec)
-    if flat is None:
-        raise BatchDimError(
-            f"{name} {value!r} does not match the structure of the batch arguments "
-            f"({target_spec}); give an int, or a pytree of ints/None shaped like the batch."
-        )
-    by_id = {id(leaf): d for leaf, d in zip(target_leaves, flat)}
-    return {i: by_id.get(id(leaves[i])) for i in inputs}
-
-
-def _declared_dynamic_dims(args, kwargs, leaves, inputs, dynamic_dims) -> dict[int, tuple[int, ...]]:
-    """Per input leaf, the dims declared dynamic by ``dynamic_dims`` or ``mark_dynamic``."""
-    given = _per_input(args, kwargs, leaves, inputs, dynamic_dims, "dynamic_dims")
-    out = {}
-    for i in inputs:
-        t = leaves[i]
-        dims = marked_dynamic_dims(t)  # torch._dynamo.mark_dynamic
-        if given[i] is not None:
-            d = given[i]
-            if not -t.dim() <= d < t.dim():
-                raise BatchDimError(
-                    f"dynamic_dims={d} is out of range for an input of shape {tuple(t.shape)} "
-                    f"(argument leaf {i}); give a pytree with None for inputs without that dim."
-                )
-            dims.add(d % t.dim())
-        if dims:
-            out[i] = tuple(sorted(dims))
-    return out
-
-
-def _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim) -> list[int | None]:
-    """Broadcast ``input_batch_dim`` (an int, or a pytree over the batch arguments) to each input."""
-    dims = _per_input(args, kwargs, leaves, inputs, input_batch_dim, "input_batch_dim")
-    out = []
-    for i in inputs:
-        d, t = dims[i], leaves[i]
-        if d is not None:
-            if not -t.dim() <= d < max(t.dim(), 1) or t.dim() == 0:
-                raise BatchDimError(
-                    f"input_batch_dim={d} is out of range for an input of shape "
-                    f"{tuple(t.shape)} (argument leaf {i}); pass input_batch_dim=None for "
-                    f"inputs that are not batched."
-                )
-            d = d % t.dim()
-            if t.shape[d] == 0:
-                raise BatchDimError(
-                    f"an input of shape {tuple(t.shape)} has batch dim {d} of size 0; every "
-                    f"rank needs at least one sample."
-                )
-        out.append(d)
-    sizes = {leaves[i].shape[d] for i, d in zip(inputs, out) if d is not None}
-    if len(sizes) > 1:
-        shapes = [
-            f"{tuple(leaves[i].shape)} (batch dim {d})" for i, d in zip(inputs, out) if d is not None
-        ]
-        raise BatchDimError(
-            f"the inputs' batch dims disagree in size: {', '.join(shapes)}. Every batched input "
-            f"must have the same local batch size along its input_batch_dim."
-        )
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +88,7 @@ def _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim) -> lis
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame in the user's code (not torch's, not ours)."""
-    here = os.path.dirname(__file__)
+    here = os.path.dirname(os.path.dirname(__file__))  # the package
     roots = (os.path.dirname(torch.__file__), here,
              os.path.join(os.path.dirname(here), "passes"), os.path.dirname(contextlib.__file__))
     frames = [
@@ -341,7 +148,7 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
         saved.append((opt, groups, opt.state))
         inputs = [group_inputs(g) for g in opt.param_groups]
         for gi, g in enumerate(opt.param_groups):
-            if fuse and fusable(opt, g) and _fused_here(opt, k, gi, g, unfused):
+            if fuse and fusable(opt, g) and _fused_here(k, gi, g, unfused):
                 g["fused"], g["foreach"] = True, False
             elif (k, gi) in unfused and g.get("fused"):
                 g["fused"] = False  # (asked for by the user, or by fuse_optimizer before)
@@ -415,16 +222,16 @@ def trace_step(
 ) -> TracedStep:
     """Record ``fn(*args, **kwargs)`` (a whole training step) as one FX graph.
     ``shard`` (sharded styles): parameters with FSDP2's all-gather extensions are unsharded in
-    the recording as FSDP2 unshards them (spmd_compiler/subclass_params.py).
+    the recording as FSDP2 unshards them (spmd_compiler/features/subclass_params.py).
 
     With ``fuse_optimizer``, SGD/Adam/AdamW param groups are recorded with their fused
     implementation (one ``_fused_*_`` node per group and dtype) whatever ``foreach``/``fused``
     they name: the same update, in one pass over the parameters. With ``mp_policy`` (FSDP2's
     ``MixedPrecisionPolicy``) the module's forward is recorded with its parameters, inputs and
-    outputs cast as the policy says (spmd_compiler/mixed_precision.py). ``accumulation``
-    (``ACCUMULATE`` / ``APPLY``, spmd_compiler/accumulation.py) records a step whose gradients
+    outputs cast as the policy says (spmd_compiler/features/mixed_precision.py). ``accumulation``
+    (``ACCUMULATE`` / ``APPLY``, spmd_compiler/features/accumulation.py) records a step whose gradients
     start from trailing gradient inputs (and, accumulating, end as trailing outputs). ``lift``:
-    paths of Python numbers the step reads (spmd_compiler/guards.py) recorded as symbolic
+    paths of Python numbers the step reads (spmd_compiler/trace/guards.py) recorded as symbolic
     numbers, lifted hyperparameters after the learning rates.
 
     The batch dim of every input is a symbolic size; so is every dim in ``dynamic_dims``
@@ -548,13 +355,13 @@ def _groups_with_lifted_entries(lift) -> set[tuple[int, int]]:
             if p[0][0] == "optimizer" and len(p) == 3 and p[1][0] == "group"}
 
 
-def _fused_here(opt, k: int, gi: int, group: dict, unfused: set) -> bool:
+def _fused_here(k: int, gi: int, group: dict, unfused: set) -> bool:
     """Does group ``gi`` of optimizer ``k`` keep the fused kernel this recording may give it:
     no number it reads per call but the learning rate."""
     return group_inputs(group) == LIFTED_HPARAMS and (k, gi) not in unfused
 
 
-def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool, unfused: set = frozenset()):
+def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool, lift: list = ()):
     """The lifted hyperparameters (``lr`` of each param group, and a momentum a scheduler cycles:
     ``call_args.group_inputs``) as graph inputs: (fake values,
     Python values, bound as a tensor?). A fused kernel takes its learning rate as a float64 0-d
@@ -569,12 +376,13 @@ def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool, unfu
                         f"supported; use a Python float (schedulers that change it work)."
                     )
     hparams, values, as_tensors = [], [], []
+    unfused = _groups_with_lifted_entries(lift)  # (``lift``: the numbers lifted after these)
     for k, opt in enumerate(sa.optimizers):
         for gi, g in enumerate(opt.param_groups):
             as_tensor = fusable(opt, g) and (fuse_optimizer or bool(g.get("fused"))) and \
-                _fused_here(opt, k, gi, g, unfused)
-            for k, value in enumerate(group_input_values(g)):
-                name = "lr" if k == 0 else "momentum"
+                _fused_here(k, gi, g, unfused)
+            for j, value in enumerate(group_input_values(g)):
+                name = "lr" if j == 0 else "momentum"
                 values.append(value)
                 as_tensors.append(as_tensor)
                 if as_tensor:
@@ -594,11 +402,12 @@ class _StatelessStep:
 
     def __init__(self, fn: Callable, sa: StepArgs, st: _ModuleState, counts: list[int],
                  num_inputs: int, reads, fuse_optimizer: bool, mp_policy, accumulation,
-                 lifted: tuple = ((), {}, 0), unfused: set = frozenset()):
+                 lifted: tuple = ((), {}, 0)):
         self.fn, self.sa, self.st, self.counts, self.num_inputs = fn, sa, st, counts, num_inputs
         # (paths, roots, number of learning rates) of the numbers the step reads, lifted
         self.lifted = lifted
-        self.unfused = unfused  # param groups recorded with their optimizer's own implementation
+        # param groups recorded with their optimizer's own implementation
+        self.unfused = _groups_with_lifted_entries(lifted[0])
         self.reads, self.fuse, self.mp_policy, self.accumulation = (
             reads, fuse_optimizer, mp_policy, accumulation)
         self.grad_nodes: dict[str, torch.fx.Node] = {}
@@ -730,16 +539,10 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         lambda t: fake_static(t, owners.get(id(t))), shard,
         leaf=lambda p: p.requires_grad and tp.plan_of(p) is None)
     fake_buffers = [fake_static(b) for b in st.buffers]
-    unfused = _groups_with_lifted_entries(lift)
-    hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer,
-                                                           unfused)
+    hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer, lift)
     lifted = (list(lift), guards.step_roots(fn, sa), len(hparams))
     numbers = guards.lifted_numbers(lift, lifted[1])
     _lift_numbers(guards.flat_numbers(numbers), shape_env, hparams, hparam_values, hparam_tensors)
-    # the optimizers' numbers: the group inputs, then the lifted param-group entries
-    optimizer_numbers = list(range(lifted[2])) + [lifted[2] + i for i, path in enumerate(
-        p for p, v in zip(lift, numbers) for _ in (v if isinstance(v, tuple) else (v,)))
-        if path[0][0] == "optimizer"]
     fake_inputs = _fake_inputs(fake_mode, sa, dynamic_dims)
     counts = [len(fake_params), len(fake_buffers), len(fake_states), len(hparams)]
     trainable = [p for p in st.params if p.requires_grad] if accumulation else []
@@ -747,13 +550,14 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                  enumerate(zip(sa.input_indices, sa.batch_dims)) if d is None}
     reads = ReadConstantValues({sum(counts) + k: t for k, t in unbatched.items()})
     step = _StatelessStep(fn, sa, st, counts, len(fake_inputs), reads, fuse_optimizer, mp_policy,
-                          accumulation, lifted, unfused)
+                          accumulation, lifted)
     step.subclasses = recording
     codes: dict = {}  # code objects that ran -> their globals
     gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
                                     *fake_inputs, *[fake_static(p) for p in trainable]], codes)
     dropped = replay.drop_guards_after_tensor_work(fn, gm, shape_env)
-    conditions = _hparam_conditions(shape_env, {i: hparams[i] for i in optimizer_numbers})
+    conditions = _hparam_conditions(shape_env, {
+        i: hparams[i] for i in _optimizer_numbers(lifted[2], lift, numbers)})
     value_guards, source_files = guards.collect(fn, sa, codes, list(lift))
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
@@ -766,17 +570,8 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     _finish_graph(gm, signature, sa, step.grad_nodes, dynamic_dims)
     subclasses.mark_gathered(gm, recording.hooked, recording.described)
     warn_value_reads(reads.user_reads)
-    symbols = {hparams[i].node._expr: i for i in range(lifted[2], len(hparams))
-               if isinstance(hparams[i], (torch.SymInt, torch.SymFloat))}
-    after_call, assignments, deferred = (), (), None
-    try:
-        after_call, assignments = replay.plan_with_assignments(
-            fn, step.changed, gm, sa, user_line_here,
-            [(p, guards.slot(p, lifted[1])) for p in lift], symbols, dropped)
-    except SideEffectError as e:
-        if not any(g.written and not g.lifted for g in value_guards):
-            raise
-        deferred = e  # recorded again with the numbers it writes as inputs
+    after_call, assignments, deferred = _python_state(fn, step, gm, sa, hparams, lifted, dropped,
+                                                      value_guards)
     return TracedStep(
         gm=gm,
         shape_env=shape_env,
@@ -800,9 +595,36 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     )
 
 
+def _optimizer_numbers(first: int, lift: list[tuple], numbers: list) -> list[int]:
+    """Indices of the optimizers' numbers among the lifted hyperparameters: the ``first``
+    (the param groups' inputs), then the lifted param-group entries (``numbers``: the lifted
+    values at ``lift``, a tuple one input per entry)."""
+    owners = [p for p, v in zip(lift, numbers) for _ in (v if isinstance(v, tuple) else (v,))]
+    return list(range(first)) + [first + i for i, p in enumerate(owners) if p[0][0] == "optimizer"]
+
+
+def _python_state(fn: Callable, step: _StatelessStep, gm, sa: StepArgs, hparams: list,
+                  lifted: tuple, dropped: set, value_guards: list) -> tuple:
+    """(statements to run again, lifted numbers to assign, a deferred SideEffectError) after
+    each call for the Python state the recording changed (trace/replay.py). A change no
+    statement repeats is deferred while a number the step writes is not yet an input: the
+    recording with it lifted (guards.record_lifting) may explain it."""
+    lift, roots, first = lifted
+    symbols = {hparams[i].node._expr: i for i in range(first, len(hparams))
+               if isinstance(hparams[i], (torch.SymInt, torch.SymFloat))}
+    try:
+        return (*replay.plan_with_assignments(
+            fn, step.changed, gm, sa, user_line_here, [(p, guards.slot(p, roots)) for p in lift],
+            symbols, dropped), None)
+    except SideEffectError as e:
+        if not any(g.written and not g.lifted for g in value_guards):
+            raise
+        return (), (), e  # recorded again with the numbers it writes as inputs
+
+
 def _lift_numbers(values: list, shape_env, hparams: list, hparam_values: list,
                   hparam_tensors: list) -> None:
-    """Append the numbers the step reads that are recorded as inputs (spmd_compiler/guards.py)
+    """Append the numbers the step reads that are recorded as inputs (spmd_compiler/trace/guards.py)
     to the lifted hyperparameters: a symbolic float or int each, bound as a Python number."""
     for value in values:
         src = ConstantSource(f"hparam_{len(hparams)}_value")

@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-from . import torch_internals
+from .. import torch_internals
 
 _PROVEN = (torch.optim.Adam, torch.optim.AdamW)
 

@@ -1,13 +1,13 @@
 """Python statements of the step that change Python state, run again after every call.
 
-The step's Python code runs only while it is recorded (spmd_compiler/side_effects.py). A statement
+The step's Python code runs only while it is recorded (spmd_compiler/trace/side_effects.py). A statement
 at the end of the step that changes Python state and uses only what the step is given — its
 arguments, closure variables and globals, never a value the step computed — does on every eager
 call exactly what it would do after the compiled step's graph has run: ``scheduler.step()``,
 ``step_count += 1``, ``opt.param_groups[0]["lr"] *= 0.99``. :func:`plan` finds such statements
 for the changes the recording saw, checks by running them once (and putting the state back) that
-they make exactly those changes, and returns their source; :func:`run_after` runs them after each
-call of the compiled step, so a scheduler stepped inside the step keeps working as in eager
+they make exactly those changes, and returns their source; ``run_after``
+(spmd_compiler/runtime/replayed.py) runs them after each call of the compiled step, so a scheduler stepped inside the step keeps working as in eager
 PyTorch (the learning rate it sets is a graph input, read at the next call).
 
 A change that no such statement explains raises SideEffectError naming it, its line and why:
@@ -20,17 +20,15 @@ it assigns a variable of an enclosing function.
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import re
 import textwrap
-import types
 from typing import Callable
 
 import torch
 
 from .side_effects import Change, SideEffectError, message, step_constants, unwrapped, watch
-from .torch_internals import pytree
+from ..runtime.replayed import run_after
 
 _FRAME = re.compile(r'File "(.*)", line (\d+), in (\w+)')
 
@@ -215,28 +213,3 @@ def drop_guards_after_tensor_work(fn: Callable, gm: torch.fx.GraphModule, shape_
     dropped = [g for g in shape_env.guards if after(g)]
     shape_env.guards[:] = [g for g in shape_env.guards if not after(g)]
     return set().union(*(g.expr.free_symbols for g in dropped))
-
-
-def run_after(fn: Callable, statements: tuple[str, ...], sa) -> None:
-    """Run the step's ``statements`` with its arguments of this call, closure and globals."""
-    if not statements:
-        return
-    fn = unwrapped(fn)
-    args, kwargs = pytree.tree_unflatten(sa.leaves, sa.spec)
-    namespace = dict(_signature(fn).bind(*args, **kwargs).arguments)
-    if isinstance(fn, types.MethodType):  # a bound-method step: its instance by its name
-        namespace[fn.__code__.co_varnames[0]] = fn.__self__
-    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-        namespace.setdefault(name, cell.cell_contents)
-    for source in statements:
-        exec(_compiled(source, fn.__code__.co_filename), fn.__globals__, namespace)  # noqa: S102
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled(source: str, filename: str):
-    return compile(source, filename, "exec")
-
-
-@functools.lru_cache(maxsize=64)
-def _signature(fn: Callable) -> inspect.Signature:
-    return inspect.signature(fn)

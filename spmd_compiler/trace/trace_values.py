@@ -31,7 +31,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .torch_internals import FakeTensor, TorchDispatchMode, pytree, unset_fake_temporarily
+from ..torch_internals import FakeTensor, TorchDispatchMode, pytree, unset_fake_temporarily
 
 from .side_effects import value_read_line
 

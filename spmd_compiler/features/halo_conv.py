@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .errors import UnsupportedError
-from .torch_internals import dtensor_op_handlers, funcol, local_tensor
+from ..errors import UnsupportedError
+from ..torch_internals import dtensor_op_handlers, funcol, local_tensor
 
 aten = torch.ops.aten
 

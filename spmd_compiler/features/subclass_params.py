@@ -46,9 +46,9 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
 from spmd_compiler.passes import meta
 
-from .errors import UnsupportedError
+from ..errors import UnsupportedError
 from .per_call_parameters import parameters_replaced_per_call
-from .torch_internals import is_traceable_wrapper_subclass, pytree
+from ..torch_internals import is_traceable_wrapper_subclass, pytree
 
 HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 _GLOO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,

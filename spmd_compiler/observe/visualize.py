@@ -32,7 +32,7 @@ from spmd_compiler.passes.meta import (
     PLAN_DIMS, PLAN_PLACEMENT, REGION, ROLE, STATE_KEY, WORKSPACES, Role,
 )
 
-from .torch_internals import _StridedShard
+from ..torch_internals import _StridedShard
 
 log = logging.getLogger("spmd_compiler")
 
@@ -938,7 +938,7 @@ def issued_per_call(lowered: fx.GraphModule) -> int:
     """Collectives one call of the lowered (eager) graph issues: its own (an all_gather lowered
     to one broadcast per rank counts as those broadcasts) plus the per-call agreement between
     ranks (one all_reduce) when the graph awaits it (``passes/rank_check.py``)."""
-    from spmd_compiler.consistency import await_agreement
+    from spmd_compiler.runtime.agreement import await_agreement
 
     return sum(is_collective(n) or n.target is await_agreement for n in lowered.graph.nodes)
 

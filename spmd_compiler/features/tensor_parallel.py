@@ -25,11 +25,18 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .errors import TensorParallelError
-from .parallel_mode import DataParallel, check_mesh, mesh_dims
-from .torch_internals import (
-    concatenate_meshes, dtensor_from_spec, dtensor_has_rule, dtensor_spec, is_dim_shard,
-    local_tensor, shards_of_dim, strided_shard, tensor_hooks,
+from ..errors import TensorParallelError
+from ..parallel_mode import DataParallel, check_mesh, mesh_dims
+from ..torch_internals import (
+    concatenate_meshes,
+    dtensor_from_spec,
+    dtensor_has_rule,
+    dtensor_spec,
+    is_dim_shard,
+    local_tensor,
+    shards_of_dim,
+    strided_shard,
+    tensor_hooks,
 )
 from spmd_compiler.passes import meta
 

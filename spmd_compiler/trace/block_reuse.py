@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import SPMDError
-from .torch_internals import (
+from ..errors import SPMDError
+from ..torch_internals import (
     _reparametrize_module,
     bind_proxy,
     block_reuse_enabled,

@@ -13,7 +13,7 @@ not the collectives'), which unpack it and check it as a file from the disk cach
 then against their own inputs (the shape guards, the sizes held as constants). A rank whose
 local batch size differs shares the program when the batch dim is a symbol; a rank whose key
 differs, or for which the received program does not hold, builds its own. The cross-rank
-agreement on the program (consistency.agree_on_program) follows as before, on every rank.
+agreement on the program (program_check.agree_on_program) follows as before, on every rank.
 
 A program the builder cannot share is built by every rank of its set: one whose recording asked
 for the rank (``dist.get_rank()``, a mesh's ``get_rank``/``get_coordinate`` called from the
@@ -51,11 +51,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import cache, torch_internals
-from .consistency import RankMismatchError, exchange_objects
-from .errors import SPMDError
-from .side_effects import may_change_python_state, step_constants
-from .tracing import StepArgs
+from . import cache
+from .. import torch_internals
+from ..runtime.agreement import exchange_objects
+from ..errors import RankMismatchError, SPMDError
+from ..trace.side_effects import may_change_python_state, step_constants
+from ..runtime.call_args import StepArgs
 
 log = logging.getLogger("spmd_compiler")
 
@@ -81,8 +82,8 @@ class Sets:
 
 def eligible(step, sa: StepArgs, mesh) -> bool:
     """Can this step's programs be shared between ranks at all (see the module doc)?"""
-    from .subclass_params import extension_key
-    from .tensor_parallel import has_plan
+    from ..features.subclass_params import extension_key
+    from ..features.tensor_parallel import has_plan
 
     return (step.check_ranks and step.backend == "eager" and not step.dump_dir
             and not step._kept.mode and mesh.ndim == 1 and not has_plan(sa.module)
@@ -93,7 +94,7 @@ def eligible(step, sa: StepArgs, mesh) -> bool:
 def _rank_in_program(step, mesh) -> bool:
     """Does the lowering write this rank's index into the program? passes/gloo_collectives.py
     does for a sharded style on CPU (its gathers as broadcasts into this rank's rows)."""
-    from .parallel_mode import SHARDED_STYLES
+    from ..parallel_mode import SHARDED_STYLES
 
     return step.parallel_mode.parallel_style in SHARDED_STYLES and mesh.device_type == "cpu"
 
@@ -117,11 +118,12 @@ def shared_key(fn: Callable, sa: StepArgs, dynamic: dict, group, options: dict) 
         return None
 
 
-def build_jointly(step, sa: StepArgs, mesh, group, dynamic: dict, *, check: Callable,
-                  build: Callable, fits: Callable):
+def build_jointly(step, sa: StepArgs, mesh, group, dynamic: dict, *, options: dict,
+                  check: Callable, build: Callable, fits: Callable):
     """This rank's program (a pipeline-built or received ``_Ready``/``cache.Loaded``) and the
     ``cache.StoredProgram`` received, if one was. Every rank of ``group`` calls it together
-    (``check_ranks``, more than one rank, no rank loaded from the disk cache); ``check()``
+    (``check_ranks``, more than one rank, no rank loaded from the disk cache); ``options`` are
+    the step's options its programs depend on (part of the key); ``check()``
     refuses this rank's arguments before anything is built, ``build()`` builds, ``fits(ready)``
     says whether a received program serves this rank's inputs. Raises the build's error (or,
     on a rank that waited for it, a RankMismatchError) after every rank has heard of it."""
@@ -129,9 +131,7 @@ def build_jointly(step, sa: StepArgs, mesh, group, dynamic: dict, *, check: Call
     try:
         check()
         if eligible(step, sa, mesh):
-            from .api import _cache_options
-
-            key = shared_key(step.fn, sa, dynamic, group, _cache_options(step))
+            key = shared_key(step.fn, sa, dynamic, group, options)
     except Exception as e:  # noqa: BLE001 - raised below, after the others heard of it
         error = e
     sets = plan(key if error is None else None, group)
@@ -196,7 +196,7 @@ def _picklable(error: Exception) -> bytes | None:
 
 
 def _summary(ready):
-    from .visualize import summarize
+    from ..observe.visualize import summarize
 
     lowered = ready.runnable if isinstance(ready.runnable, torch.fx.GraphModule) else None
     return summarize(ready.traced.gm, compile_times=ready.seconds, lowered=lowered)

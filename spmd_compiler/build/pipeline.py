@@ -46,15 +46,15 @@ from spmd_compiler.passes.recompute import recompute_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 
-from .accumulation import ACCUMULATE
-from .errors import BatchDimError, UnsupportedError
-from .mixed_precision import reduce_dtype_of
-from .parallel_mode import SHARDED_STYLES, DataParallel
-from .signature import StepSignature
-from .subclass_params import ShardContext
-from .torch_internals import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
-from .tracing import StepArgs, TracedStep, trace_step
-from . import guards
+from ..features.accumulation import ACCUMULATE
+from ..errors import BatchDimError, UnsupportedError
+from ..parallel_mode import SHARDED_STYLES, DataParallel, reduce_dtype_of
+from ..features.subclass_params import ShardContext
+from ..torch_internals import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
+from ..runtime.call_args import StepArgs
+from ..runtime.signature import StepSignature, TracedStep
+from ..trace.record import trace_step
+from ..trace import guards
 
 log = logging.getLogger("spmd_compiler")
 
@@ -76,7 +76,7 @@ class BuildOptions:
     backend: str = "eager"
     dims: list[tuple[str, int]] = field(default_factory=list)  # (group name, size), outermost first
     dynamic_dims: dict[int, tuple[int, ...]] | None = None  # None: the ones the user declared
-    accumulation: str | None = None  # spmd_compiler/accumulation.py
+    accumulation: str | None = None  # spmd_compiler/features/accumulation.py
     gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None
     # the per-call agreement the graph awaits: (check, carrier or None), passes/rank_check.py
     rank_check: tuple | None = None
@@ -242,7 +242,7 @@ def _sharded(o: BuildOptions) -> bool:
 
 STAGES: list[Stage] = [
     Stage("traced", _trace, "zero_grad + forward + backward + optimizer as one aten graph "
-          "(spmd_compiler/tracing.py)"),
+          "(spmd_compiler/trace/record.py)"),
     Stage("analyzed", _analyze, "a placement on every tensor (passes/batch_dim.py)"),
     Stage("recompute", _recompute, "activations recomputed in the backward (passes/recompute.py)",
           when="activation_memory_budget is set",
@@ -317,7 +317,7 @@ def run_stages(stages: list[Stage], build: _Build) -> tuple[torch.fx.GraphModule
             raise
         seconds[stage.name] = time.perf_counter() - start
         if build.options.dump_dir:
-            from . import visualize
+            from ..observe import visualize
 
             visualize.dump_stage(gm, stage.name, build.options.dump_dir, index=len(done))
         done.append(stage.name)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .runtime import is_sharded
+from .placement import is_sharded
 
 
 def attach(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], sharded: bool) -> None:

@@ -18,7 +18,7 @@ snapshots, before the step's code runs, the Python state the step can change:
 - the globals the step's code assigns (``global step_count``).
 
 After the step's code has run it compares, and puts the state back as it was (a change made with
-the recording's stand-ins must not stay). The changes go to spmd_compiler/replay.py, which runs
+the recording's stand-ins must not stay). The changes go to spmd_compiler/trace/replay.py, which runs
 the statements that made them again after every call, or raises a :class:`SideEffectError` that
 names what changed, the user's line and why it cannot (a failed compile changes nothing). One
 exception: a module that changed an attribute holding tensors is caching something made from its
@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import SPMDError
+from ..errors import SPMDError
 
 
 _SCALARS = (int, float, complex, str, bytes, bool, type(None))
@@ -153,7 +153,7 @@ def _plain_object(obj: Any) -> bool:
 
 def step_constants(sa) -> list[tuple[str, Any]]:
     """(name, value) of the step's arguments that are neither tensors nor its module and
-    optimizers (``sa``: tracing.StepArgs)."""
+    optimizers (``sa``: runtime.call_args.StepArgs)."""
     return [(sa.leaf_name(j), x) for j, x in enumerate(sa.leaves) if j not in sa.input_indices
             and j != sa.module_index and j not in sa.optimizer_indices]
 
@@ -417,7 +417,7 @@ def message(fn: Callable, changes: list[Change], why: str = "") -> str:
 # Tensor values read in Python while recording
 
 _TORCH = os.path.dirname(torch.__file__)
-_HERE = os.path.dirname(__file__)
+_HERE = os.path.dirname(os.path.dirname(__file__))  # the package
 _DISPATCH = tuple(os.path.join(_TORCH, p) for p in (
     "_ops.py", "utils", "_tensor.py", "fx", "_subclasses", "overrides.py", "_decomp", "_refs",
     "_prims", "_higher_order_ops", "_library", "_dynamo", "_compile.py"))

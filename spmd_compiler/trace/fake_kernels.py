@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .torch_internals import has_kernel
+from ..torch_internals import has_kernel
 
 _FUSED_OPTIMIZERS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
 _LIBRARY = torch.library.Library("aten", "IMPL")  # kept alive: the registrations live with it
