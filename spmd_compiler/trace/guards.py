@@ -195,7 +195,7 @@ class ValueGuards:
 
     def assign(self, assignments: tuple, numbers: list) -> None:
         """Set each lifted value ``assignments`` names ((path, Python expression over
-        ``h<index>``), tracing.TracedStep) to the expression's value for this call's
+        ``h<index>``), runtime.signature.TracedStep) to the expression's value for this call's
         ``numbers`` (the program's lifted inputs)."""
         slots = dict(zip([g.path for g in self.guards if g.lifted], self._lifted))
         h = {f"h{i}": v for i, v in enumerate(numbers)}
