@@ -16,6 +16,7 @@ is compared after each step (rtol 1e-5, atol 1e-6); block reuse and the shared c
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,6 +65,30 @@ class CappedCountingNet(Net):
     def forward(self, x):
         self.stats.n = min(self.stats.n + 1, 3)
         return self.b(torch.tanh(self.a(x))) * (1.0 + 0.5 * self.stats.n)
+
+
+FORWARD_CALLS = 0
+
+
+class GlobalCountingNet(Net):
+    """A forward counting its calls in a global of its module and using the count."""
+
+    def forward(self, x):
+        global FORWARD_CALLS
+        FORWARD_CALLS += 1
+        return self.b(torch.tanh(self.a(x))) * (1.0 + 0.25 * FORWARD_CALLS)
+
+
+class AttributeCountingNet(Net):
+    """A forward counting its calls in an attribute of its own and using the count."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.b(torch.tanh(self.a(x))) * (1.0 + 0.25 * self.calls)
 
 
 def _batch(i):
@@ -224,28 +249,40 @@ def test_bound_method_step_counts_on_every_rank(pool2):
     _run(pool2, "trainer steps", "replicate")
 
 
-def forward_counter_job(style: str) -> dict:
-    """A forward that counts its calls on a plain object and uses the count: the count is a
-    program input, and its new value (a function of it) is set after every call."""
-    model, opt, ref, ref_opt = _pair(CountingNet, _adam)
+def forward_counter_job(style: str, where: str) -> dict:
+    """A forward that counts its calls (on a plain object it holds, in a global of its module,
+    in its own attribute) and uses the count: the count is a program input, and its new value
+    (a function of it) is set after every call."""
+    global FORWARD_CALLS
     from spmd_compiler import DataParallel, spmd_compile
+
+    cls = {"object": CountingNet, "global": GlobalCountingNet, "attribute": AttributeCountingNet}
+    model, opt, ref, ref_opt = _pair(cls[where], _adam)
+
+    def count(m):
+        return {"object": lambda: m.stats.n, "global": lambda: FORWARD_CALLS,
+                "attribute": lambda: m.calls}[where]()
 
     step = spmd_compile(DataParallel(style))(plain_step)
     check = ParityChecker(RTOL, ATOL)
     for i in range(STEPS):
+        FORWARD_CALLS = i
         step(model, opt, _batch(i))
+        compiled = count(model)
+        FORWARD_CALLS = i
         plain_step(ref, ref_opt, _batch(i))
-        check.check(model.stats.n == ref.module.stats.n == i + 1,
-                    f"step {i}: count {model.stats.n} vs DDP's {ref.module.stats.n}")
+        check.check(compiled == count(ref.module) == i + 1,
+                    f"step {i}: count {compiled} vs DDP's {count(ref.module)}")
         _compare(check, model, opt, ref, ref_opt, f"step {i}")
     return {"problems": check.problems, "compiles": step.compile_count}
 
 
-def test_forward_counting_on_a_plain_object(pool2):
+@pytest.mark.parametrize("where", ["object", "global", "attribute"])
+def test_forward_counting_its_calls(pool2, where):
     for style in ("replicate", "fully_shard"):
-        for rank, res in enumerate(pool2.run(forward_counter_job, style)):
-            assert not res["problems"], (style, rank, res["problems"])
-            assert res["compiles"] == 1, (style, rank, res["compiles"])
+        for rank, res in enumerate(pool2.run(forward_counter_job, style, where)):
+            assert not res["problems"], (style, where, rank, res["problems"])
+            assert res["compiles"] == 1, (style, where, rank, res["compiles"])
 
 
 def forward_counter_refused_job() -> dict:

@@ -15,7 +15,7 @@ snapshots, before the step's code runs, the Python state the step can change:
   and sets: its non-tensor arguments, its closure variables, the globals its code names, and the
   plain objects among their attributes (a trainer's scheduler); containers are compared one
   level deep (a list appended to);
-- the globals the step's code assigns (``global step_count``).
+- the globals the step's code and its modules' ``forward`` methods assign (``global step_count``).
 
 After the step's code has run it compares, and puts the state back as it was (a change made with
 the recording's stand-ins must not stay). The changes go to spmd_compiler/trace/replay.py, which runs
@@ -88,7 +88,8 @@ class _Snapshot:
     # (label, variable name, object, its attributes)
     objects: list[tuple[str, str | None, Any, dict]] = field(default_factory=list)
     modules: list[tuple[str, torch.nn.Module, dict]] = field(default_factory=list)
-    globals: dict[str, Any] = field(default_factory=dict)  # assigned global -> value or _MISSING
+    # (function, assigned global, its line, value or _MISSING) of the step and modules' forwards
+    globals: list[tuple[Callable, str, int, Any]] = field(default_factory=list)
 
 
 _MISSING = object()
@@ -288,14 +289,14 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
     snap.modules = [(name, m, _state(m.__dict__)) for name, m in module.named_modules()]
     snap.objects = [(label, var, obj, _state(_attrs(obj)))
                     for label, var, obj in _reach(fn, constants, module)]
-    assigned = _stores(fn, "STORE_GLOBAL")
-    snap.globals = {n: fn.__globals__.get(n, _MISSING) for n in assigned}
+    snap.globals = [(f, n, line, f.__globals__.get(n, _MISSING))
+                    for f, n, line in _global_stores(fn, module)]
     changes: list[Change] = []
     try:
         yield
-        changes = _changes(snap, fn, optimizers, assigned)
+        changes = _changes(snap, fn, optimizers)
     except BaseException:
-        _restore(snap, fn)
+        _restore(snap)
         raise
     finally:
         for opt, groups, (_, before) in zip(optimizers, originals, snap.groups):
@@ -307,7 +308,7 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
                     _put_back(old, state)
             opt.param_groups[:] = groups + opt.param_groups[len(groups):]
     if changes:
-        _restore(snap, fn)
+        _restore(snap)
         if into is None:
             raise SideEffectError(message(fn, changes))
         into.extend(changes)
@@ -327,7 +328,22 @@ def _diff(before: dict, now: dict) -> list[str]:
     return changed + [k for k in before if k not in now]
 
 
-def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str, int]) -> list[Change]:
+def _global_stores(fn: Callable, module: torch.nn.Module | None) -> list[tuple[Callable, str, int]]:
+    """(function, name, line) of the globals the step and its modules' ``forward`` methods
+    assign (``global step_count``), each global once."""
+    forwards = {} if module is None else {
+        f.__code__: f for f in (getattr(type(m), "forward", None) for m in module.modules())
+        if isinstance(f, types.FunctionType)}
+    out, seen = [], set()
+    for f in (fn, *forwards.values()):
+        for n, line in _stores(f, "STORE_GLOBAL").items():
+            if (id(f.__globals__), n) not in seen:
+                seen.add((id(f.__globals__), n))
+                out.append((f, n, line))
+    return out
+
+
+def _changes(snap: _Snapshot, fn: Callable, optimizers: list) -> list[Change]:
     out = []
     for k, groups in snap.groups:
         now = optimizers[k].param_groups
@@ -358,10 +374,9 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str
             slots = () if type(obj) in _CONTAINERS else tuple((attrs, a, attrs.get(a)) for a in changed)
             out.append(Change(what, _line(fn, line) if line is not None else
                               _forward_line(snap.modules, changed), slots))
-    for n, line in assigned.items():
-        if not _same(snap.globals[n], fn.__globals__.get(n, _MISSING)):
-            out.append(Change(f"global {n!r}", _line(fn, line),
-                              ((fn.__globals__, n, fn.__globals__.get(n)),)))
+    for f, n, line, before in snap.globals:
+        if not _same(before, f.__globals__.get(n, _MISSING)):
+            out.append(Change(f"global {n!r}", _line(f, line), ((f.__globals__, n, f.__globals__.get(n)),)))
     return out
 
 
@@ -386,15 +401,15 @@ def _line(fn: Callable, lineno: int | None) -> str | None:
             f"{linecache.getline(code.co_filename, lineno).strip()}")
 
 
-def _restore(snap: _Snapshot, fn: Callable) -> None:
+def _restore(snap: _Snapshot) -> None:
     """Put the watched modules, objects and assigned globals back as they were."""
     for *_, obj, before in snap.modules + snap.objects:
         _put_back(_attrs(obj) if type(obj) in _CONTAINERS else obj.__dict__, before)
-    for n, value in snap.globals.items():
+    for f, n, _, value in snap.globals:
         if value is _MISSING:
-            fn.__globals__.pop(n, None)
+            f.__globals__.pop(n, None)
         else:
-            fn.__globals__[n] = value
+            f.__globals__[n] = value
 
 
 def message(fn: Callable, changes: list[Change], why: str = "") -> str:
@@ -466,4 +481,4 @@ def may_change_python_state(fn: Callable, constants: list[tuple[str, Any]],
     step's instance) through its arguments, instance, closure, globals or the model's modules?
     The objects ``watch`` snapshots, known before recording."""
     fn = unwrapped(fn)
-    return bool(_stores(fn, "STORE_GLOBAL") or _reach(fn, constants, module))
+    return bool(_global_stores(fn, module) or _reach(fn, constants, module))
