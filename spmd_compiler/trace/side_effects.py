@@ -85,8 +85,8 @@ class _Snapshot:
     """The watched state before the step's code ran."""
 
     groups: list[tuple[int, list[dict]]] = field(default_factory=list)  # (optimizer, groups)
-    # (label, variable name, object, its attributes)
-    objects: list[tuple[str, str | None, Any, dict]] = field(default_factory=list)
+    # (label, variable name, object, its attributes, the only ones watched or None)
+    objects: list[tuple[str, str | None, Any, dict, frozenset | None]] = field(default_factory=list)
     modules: list[tuple[str, torch.nn.Module, dict]] = field(default_factory=list)
     # (function, assigned global, its line, value or _MISSING) of the step and modules' forwards
     globals: list[tuple[Callable, str, int, Any]] = field(default_factory=list)
@@ -183,12 +183,10 @@ def _stores(fn: Callable, opname: str) -> dict[str, int]:
     return out
 
 
-def _reach(fn: Callable, constants: list[tuple[str, Any]],
-           module: torch.nn.Module | None = None) -> list[tuple[str, str | None, Any]]:
+def _reach(fn: Callable, constants: list[tuple[str, Any]]) -> list[tuple[str, str | None, Any]]:
     """(label, variable name, object) of the plain objects the step reaches: its non-tensor
     arguments, the instance of a bound-method step (``self``), closure variables and named
-    globals, the plain objects the model's modules hold, then the plain objects among their
-    attributes."""
+    globals, then the plain objects among their attributes."""
     roots: list[tuple[str, str | None, Any]] = [(label, None, x) for label, x in constants]
     code = getattr(fn, "__code__", None)
     if code is not None:
@@ -205,9 +203,6 @@ def _reach(fn: Callable, constants: list[tuple[str, Any]],
         names = {n for c in _code_objects(code) for n in c.co_names}
         roots += [(f"global {n!r}", n, fn.__globals__[n]) for n in sorted(names)
                   if n in fn.__globals__]
-    for name, m in module.named_modules() if module is not None else ():
-        roots += [(f"attribute {a!r} of module {name or '<root>'!r}", None, v)
-                  for a, v in vars(m).items() if _plain_object(v)]
     out, seen = [], set()
     for label, var, obj in roots:
         if not (_plain_object(obj) or type(obj) in _CONTAINERS) or id(obj) in seen:
@@ -219,6 +214,34 @@ def _reach(fn: Callable, constants: list[tuple[str, Any]],
                 seen.add(id(value))
                 out.append((f"{label}.{attr}", var, value))
     return out[:_MAX_OBJECTS]
+
+
+def _counters(module: torch.nn.Module | None) -> list[tuple[str, Any, frozenset]]:
+    """(label, object, attribute names) of the plain objects the model's modules hold whose
+    number attributes a module's ``forward`` assigns (a call counter on a stats object): only
+    those attributes are watched. (A forward also fills in a config's string once, as Hugging
+    Face models set ``config.problem_type``: that stays as the recording left it, as after an
+    eager call.)"""
+    if module is None:
+        return []
+    modules = list(module.named_modules())
+    stored = set().union(*(_stores(f, "STORE_ATTR") for f in {type(m).forward for _, m in modules}
+                           if isinstance(f, types.FunctionType)))
+    out, seen = [], set()
+    for name, m in modules:
+        for a, v in vars(m).items():
+            if not _plain_object(v) or id(v) in seen:
+                continue
+            attrs = frozenset(k for k, x in vars(v).items() if k in stored and _is_number(x))
+            if attrs:
+                seen.add(id(v))
+                out.append((f"attribute {a!r} of module {name or '<root>'!r}", v, attrs))
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    """A number, or the symbolic one a recording reads in its place (trace/guards.substituted)."""
+    return isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(v, bool)
 
 
 _CONTAINERS = (list, dict, set)
@@ -287,8 +310,11 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
         opt.param_groups[:] = [_RecordingGroup(g, where=where) for g in opt.param_groups]
         snap.groups.append((k, [_state(g) for g in opt.param_groups]))
     snap.modules = [(name, m, _state(m.__dict__)) for name, m in module.named_modules()]
-    snap.objects = [(label, var, obj, _state(_attrs(obj)))
-                    for label, var, obj in _reach(fn, constants, module)]
+    snap.objects = [(label, var, obj, _state(_attrs(obj)), None)
+                    for label, var, obj in _reach(fn, constants)]
+    reached = {id(obj) for *_, obj, _, _ in snap.objects}
+    snap.objects += [(label, None, obj, _state({k: vars(obj)[k] for k in attrs}), attrs)
+                     for label, obj, attrs in _counters(module) if id(obj) not in reached]
     snap.globals = [(f, n, line, f.__globals__.get(n, _MISSING))
                     for f, n, line in _global_stores(fn, module)]
     changes: list[Change] = []
@@ -364,8 +390,9 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list) -> list[Change]:
                         _line(type(m).forward, forward[a]) if a in forward else
                         _line(fn, stores.get(a)), ((m.__dict__, a, m.__dict__.get(a)),))
                 for a in changed]
-    for label, var, obj, before in snap.objects:
-        changed = _diff(before, _attrs(obj))
+    for label, var, obj, before, only in snap.objects:
+        changed = _diff(before, _attrs(obj) if only is None else
+                        {k: v for k, v in vars(obj).items() if k in only})
         if changed:
             line = next((stores[a] for a in changed if a in stores), _use_line(fn, var))
             what = f"the contents of a {type(obj).__name__} ({label})" if type(obj) in _CONTAINERS \
@@ -403,8 +430,13 @@ def _line(fn: Callable, lineno: int | None) -> str | None:
 
 def _restore(snap: _Snapshot) -> None:
     """Put the watched modules, objects and assigned globals back as they were."""
-    for *_, obj, before in snap.modules + snap.objects:
-        _put_back(_attrs(obj) if type(obj) in _CONTAINERS else obj.__dict__, before)
+    for *_, obj, before in snap.modules:
+        _put_back(obj.__dict__, before)
+    for *_, obj, before, only in snap.objects:
+        if only is None:
+            _put_back(_attrs(obj) if type(obj) in _CONTAINERS else obj.__dict__, before)
+        else:  # the watched numbers only
+            obj.__dict__.update({k: value for k, (value, _) in before.items()})
     for f, n, _, value in snap.globals:
         if value is _MISSING:
             f.__globals__.pop(n, None)
@@ -481,4 +513,4 @@ def may_change_python_state(fn: Callable, constants: list[tuple[str, Any]],
     step's instance) through its arguments, instance, closure, globals or the model's modules?
     The objects ``watch`` snapshots, known before recording."""
     fn = unwrapped(fn)
-    return bool(_global_stores(fn, module) or _reach(fn, constants, module))
+    return bool(_global_stores(fn, module) or _reach(fn, constants) or _counters(module))
