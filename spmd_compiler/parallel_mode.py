@@ -243,18 +243,17 @@ def check_policy(policy, backend: str | None = None) -> None:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise MixedPrecisionError(
                 f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype, got {dtype!r}")
-    if backend:
-        _check_computable(policy)
-    supported = _COLLECTIVE_DTYPES.get(str(backend).lower()) if backend else None
-    if supported is None:
+    if not backend:
         return
+    supported = _COLLECTIVE_DTYPES.get(str(backend).lower())
     for field, dtype, what in (("param_dtype", policy.param_dtype, "all-gather"),
                                ("reduce_dtype", reduce_dtype_of(policy), "reduce")):
-        if dtype is not None and dtype not in supported:
+        if supported is not None and dtype is not None and dtype not in supported:
             raise MixedPrecisionError(
                 f"MixedPrecisionPolicy.{field}={dtype}: the {backend} backend cannot {what} "
                 f"{dtype} tensors (it supports {', '.join(map(str, supported))}); choose one of "
                 f"those")
+    _check_computable(policy)
 
 
 def _check_computable(policy) -> None:
