@@ -29,8 +29,12 @@ from . import meta
 from .subgraph import insert_traced
 from .collectives import aten, c10d, collective_meta, finish_reduction, to_dtype, waited
 from .fully_shard import (
-    ShardingError, micro_batch_parts, pad_rows, reduce_optimizer_partials,
-    reduce_scatter_parts, shard_parameters,
+    ShardingError,
+    micro_batch_parts,
+    pad_rows,
+    reduce_optimizer_partials,
+    reduce_scatter_parts,
+    shard_parameters,
 )
 from .replicate import broadcast_buffers_from_rank0
 
