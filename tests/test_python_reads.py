@@ -275,7 +275,7 @@ BLOCK_CASES = {
 
 def _block_case(name: str):
     def case(rep):
-        import spmd_compiler.block_reuse as block_reuse
+        import spmd_compiler.trace.block_reuse as block_reuse
 
         copy, copies = block_reuse._Call._copy_forward, []
 
