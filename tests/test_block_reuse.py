@@ -186,7 +186,7 @@ def test_block_that_sets_an_attribute_is_refused_as_before(reuse, monkeypatch):
 
 
 def test_off_switch(monkeypatch):
-    from spmd_compiler.reads import Reads
+    from spmd_compiler.trace.reads import Reads
 
     monkeypatch.setenv("SPMD_NO_BLOCK_REUSE", "1")
     assert block_reuse.for_recording(_Stack([0.5] * 3), Reads()) is None
