@@ -7,16 +7,22 @@ parameters' and buffers' names, shapes, dtypes and ``requires_grad``) occur at l
 the model, outermost such (the layers of a ``ModuleList``). While the step is recorded, a call
 of a block runs through an autograd function (``_BlockCall``) keyed by everything the recording
 of the block can depend on: the block's structure, the ``training`` flag of each of its modules,
-grad and autocast state, the arguments' structure and non-tensor values, and each tensor's dtype,
-device, ``requires_grad``, symbolic sizes, strides and which arguments are the same tensor.
+grad state, the default dtype, the arguments' structure and non-tensor values, and each
+tensor's dtype, device, ``requires_grad``, symbolic sizes, strides and which arguments are the
+same tensor (under autocast, on any device type, a block is recorded as it runs).
 
 - The first call with a key records the block as usual (its forward nodes land in the step's
   graph), then its backward once into a scratch graph (``torch.autograd.grad`` of its outputs,
-  with gradients shaped like them): the key's *template*. The instance attributes the block's
-  modules read while recorded (a dropout's ``p``, a layer index) are kept with the template.
+  with gradients shaped like them): the key's *template*. What the recording read
+  (spmd_compiler/trace/reads.py) is kept with it: every attribute of the block's modules as
+  Python resolved it (an instance value, a class default, an absent name, a ``forward``
+  replaced on the instance), the attributes of other watched objects, the globals and closure
+  cells of the user code that ran inside, the environment: each as a ``reads.fingerprint``
+  (by value: a shared config object changed between blocks differs).
 - A later call with the key copies the template's forward nodes into the graph with its own
-  inputs, provided every attribute the template read has the same value (or is the same
-  object) on this block; otherwise the block is recorded as the first one was.
+  inputs, provided all of that reads the same on this block (its own modules by their path in
+  it); otherwise the block is recorded as the first one was. A block that sets an attribute,
+  or whose code assigns an attribute or a global, is never copied.
 - When autograd reaches a block's backward (every block, the first included) the template's
   backward nodes are copied with that block's forward nodes and incoming gradients; autograd
   then accumulates the returned parameter gradients as it would.
