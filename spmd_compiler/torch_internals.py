@@ -550,6 +550,9 @@ class StepTracer(PythonKeyTracer):
         self._formatted: dict[tuple, str] = {}
         self._skip = uninteresting_files() | {os.path.join(os.path.dirname(__file__), "trace", "block_reuse.py")}
         self.code_seen: dict = {}  # code object on the stack of any recorded node -> its globals
+        # the same for the frames above ``block_frame``, while block reuse records a block
+        self.block_codes: dict | None = None
+        self.block_frame = None
 
     def call_module(self, m, forward, args, kwargs):
         path = self._paths.get(id(m))
@@ -574,11 +577,15 @@ class StepTracer(PythonKeyTracer):
 
     def _stack_trace(self, frame) -> str | None:
         frames = []
-        seen = self.code_seen
+        seen, block = self.code_seen, self.block_codes
         while frame is not None:
             code = frame.f_code
             if code not in seen:
                 seen[code] = frame.f_globals
+            if frame is self.block_frame:
+                block = None
+            elif block is not None and code not in block:
+                block[code] = frame.f_globals
             if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
                     and code.co_filename not in self._skip:
                 frames.append((code.co_filename, frame.f_lineno, code.co_name))

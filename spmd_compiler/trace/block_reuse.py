@@ -61,7 +61,7 @@ from ..torch_internals import (
     sym_node,
     untraced,
 )
-from .reads import ABSENT_READ, fingerprint, functions_of, is_user_file, resolve
+from .reads import ABSENT_READ, expanded, fingerprint, functions_of, is_user_file, resolve
 
 _PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout)
 _switched_off = False
@@ -325,11 +325,15 @@ class _Call:
         state = dict(zip(self.names, leaves))
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: alias[id(x)],
                                             (self.args, self.kwargs))
-        seen = self.reuse.reads
+        seen, codes = self.reuse.reads, {}
         read_mark = seen.mark()
-        with torch.enable_grad(), _reparametrize_module(self.m, state, strict=False), \
-                seen.block() as codes:
-            out = self.forward(*args, **kwargs)
+        tracer.block_codes, tracer.block_frame = codes, sys._getframe()
+        try:
+            with torch.enable_grad(), _reparametrize_module(self.m, state, strict=False):
+                out = self.forward(*args, **kwargs)
+        finally:
+            tracer.block_codes = tracer.block_frame = None
+        codes = expanded({**codes, **seen.readers(read_mark)})
         reads = _block_reads(self.m, seen.since(read_mark), codes, seen.environ)
         out_leaves, out_spec = pytree.tree_flatten(out)
         fwd_nodes = []

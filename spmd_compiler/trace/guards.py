@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..runtime.dispatch import is_plain
-from .reads import functions_of, is_user_file, resolve
+from .reads import expanded, functions_of, is_user_file, resolve
 
 
 class _Absent:
@@ -344,8 +344,8 @@ def substituted(paths: list[tuple], roots: dict, values: list):
 def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = (),
             reads=None) -> tuple[list[ValueGuard], list[str]]:
     """The guards of a recording of ``fn`` on ``sa`` whose stacks held ``codes`` (code object
-    -> its globals) and which read ``reads`` (spmd_compiler/reads.py: the attributes of the
-    model's modules and of the step's instance, every code that ran, the environment), the
+    -> its globals) and which read ``reads`` (spmd_compiler/trace/reads.py: the attributes of
+    the model's modules and of the step's instance, the code that read them, the environment), the
     ``lifted`` paths first (in order, as program inputs); and the source files of every code it
     considered."""
     roots = step_roots(fn, sa)
@@ -353,9 +353,7 @@ def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = (),
     while frame is not None:  # the caller's code, on every recorded stack, read nothing inside
         outer.add(frame.f_code)
         frame = frame.f_back
-    ran = dict(codes)
-    if reads is not None:
-        ran.update((c, g) for c, g in reads.codes.items() if is_user_file(c.co_filename))
+    ran = {**codes, **(reads.readers() if reads is not None else {})}
     c = _Collector({code: g for code, g in ran.items() if code not in outer}, roots, reads)
     for _ in range(3):  # methods and functions found in values name more code
         before = len(c.codes)
@@ -391,7 +389,6 @@ class _Collector:
         self.names: set[str] = set()
         self.stored: set[str] = set()
         self._seen_objects: set[int] = set()
-        self._done_codes: set = set()
         self._reached: set = set()  # code objects whose closure cells are guarded by a path
         self._model_modules = {id(m) for m in roots[("model",)].modules()}
         fn = roots[("fn",)]
@@ -403,22 +400,7 @@ class _Collector:
 
     def expand(self) -> None:
         """Add nested code and the user functions that user code can call by a global name."""
-        todo = [c for c in self.codes if c not in self._done_codes]
-        while todo:
-            code = todo.pop()
-            self._done_codes.add(code)
-            g = self.codes[code]
-            if not is_user_file(code.co_filename):
-                continue
-            for const in code.co_consts:
-                if isinstance(const, types.CodeType) and const not in self.codes:
-                    self.codes[const] = g
-                    todo.append(const)
-            for n in code.co_names:
-                f = g.get(n)
-                if isinstance(f, types.FunctionType) and f.__code__ not in self.codes:
-                    self.codes[f.__code__] = f.__globals__
-                    todo.append(f.__code__)
+        self.codes = expanded(self.codes)
         user = [c for c in self.codes if is_user_file(c.co_filename)]
         self.keys = {k for c in user for k in c.co_consts if isinstance(k, str)}
         # what user code names: attribute and global names, and the constant strings it may
