@@ -1,4 +1,4 @@
-"""Every Python read a recording depends on is seen (spmd_compiler/reads.py), and the three
+"""Every Python read a recording depends on is seen (spmd_compiler/trace/reads.py), and the three
 shortcuts built on it hold or are not taken: value guards (a value changed between steps
 recompiles), block reuse (a block whose reads differ from its template's is recorded, not
 copied) and the shared compile (a rank whose reads differ builds its own program).

@@ -88,7 +88,7 @@ def reuse_off():
 
 def for_recording(root: torch.nn.Module, reads=None) -> "BlockReuse | None":
     """The block reuse of one recording of a step on ``root`` whose Python reads are watched
-    (``reads``, spmd_compiler/reads.py), or None when it is off or nothing watches them."""
+    (``reads``, spmd_compiler/trace/reads.py), or None when it is off or nothing watches them."""
     if _switched_off or not block_reuse_enabled() or reads is None:
         return None
     reuse = BlockReuse(root, reads)
@@ -213,7 +213,7 @@ def _autocast_on() -> bool:
 
 @dataclass
 class _BlockReads:
-    """What a block's recording read (spmd_compiler/reads.py), to compare before a copy: the
+    """What a block's recording read (spmd_compiler/trace/reads.py), to compare before a copy: the
     attributes of its own modules (by their path in the block) and of other watched objects,
     the globals and closure cells of the code that ran inside it, the environment."""
 

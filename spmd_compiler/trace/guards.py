@@ -3,25 +3,33 @@ value the recording read (a submodule's ``Dropout.p``, a temperature attribute, 
 weight, a closure variable, an attribute of a bound-method step's instance, an optimizer's
 ``momentum``) as a constant, so it is valid only while those values are unchanged.
 
-**What is guarded.** After the recording, the code that ran is known: every code object on the
-stack of a recorded op (``tracing._StepTracer``), with its globals, extended by what those can
-call by name (functions in their globals and closures, methods of the objects below, nested
-code). The names this code reads (``co_names``) select, among
+**What is guarded.** What the recording read (spmd_compiler/trace/reads.py):
 
-- the attributes of the model's submodules, of a bound-method step's instance (``self``), and of
-  the objects and Python modules reached below;
-- the globals of the user's code (not torch's, not the standard library's), and the closure
-  cells of the step and of the functions it reaches;
+- every attribute read on the model's modules and on a bound-method step's instance (``self``),
+  however it was asked for (``getattr`` with any name) and wherever Python found it: an instance
+  value; a class attribute (guarded in the class of the MRO that holds it, and guarded absent in
+  the instance and the user's classes before it); a name found nowhere (a ``getattr`` default:
+  guarded absent);
+- the code that ran (on a recorded op's stack, or reading a watched attribute) and what it
+  reaches by name: the globals of the user's code (not torch's, not the standard library's; the
+  launched script's own globals, ``__main__``/``__mp_main__``, by the step's own globals dict),
+  the closure cells of the step and of the functions it reaches, and, among the objects and
+  Python modules reached so, the attributes that code names (``co_names`` and its constant
+  strings), through the type too;
+- every item (any key) and the length of a list, tuple or dict reached so;
+- the environment variables the user's code read;
 - every entry of the optimizers' ``param_groups`` but ``params`` and the lifted learning rate,
 
 the plain values (but names the code that ran assigns: state the step writes, which
-spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enum members and tuples of them (and those of a
-plain dict reached so, under a string key the user's code names). Each is a
-``ValueGuard``: its name as the user would write it, a path from the step's roots to it (valid
-in another process: the disk cache checks stored programs with the same guards), the value at
-recording and the line that read it. Objects and modules along the way are followed three
-levels deep; a container replaced after the compile (a global rebound to another object) is
-not noticed, only the values inside the one that was read.
+spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enum members and
+tuples of them. Each is a ``ValueGuard``: its name as the user would write it, a path from the
+step's roots to it (valid in another process: the disk cache and the shared compile check
+programs with the same guards on the rank that runs them), the value at recording and the line
+that read it. Objects and modules along the way are followed three levels deep; a container
+replaced after the compile (a global rebound to another object) is not noticed, only the values
+inside the one that was read. A read no path reaches (a closure cell holding data in a function
+no root reaches, globals that are not their module's) becomes a guard that never holds, logged
+once: the program serves the call it was recorded for, and is neither shared nor cached.
 
 **Checked** on every call with the program's other guards (``runtime.program.CompiledGraph.guards_hold``):
 a dict lookup and an equality per guard. A change recompiles (logged on the ``spmd_compiler``
@@ -520,8 +528,8 @@ class _Collector:
         """An object whose attribute reads were watched: every name read, wherever it was found."""
         for n in dict.fromkeys(r.name for r in self.reads.attrs
                                if r.obj is obj and not r.write and r.where is not None):
-            if n in _SKIPPED_ATTRS or n.startswith("__") or "hook" in n:
-                continue
+            if n in _SKIPPED_ATTRS or n.startswith(("__", "_spmd")) or "hook" in n:
+                continue  # (this package's own marks on a module are not the step's values)
             if n in vars(obj):
                 self._value(vars(obj)[n], f"{name}.{n}", path + (("attr", n),), depth, n)
             else:

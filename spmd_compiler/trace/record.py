@@ -459,7 +459,7 @@ class _StatelessStep:
 
 
 def _watched_objects(roots: dict) -> list:
-    """The objects whose attribute reads a recording watches (spmd_compiler/reads.py): the
+    """The objects whose attribute reads a recording watches (spmd_compiler/trace/reads.py): the
     model's modules and a bound-method step's instance."""
     return [*roots[("model",)].modules(), *([roots[("self",)]] if ("self",) in roots else [])]
 
