@@ -565,9 +565,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
                                         *fake_inputs, *[fake_static(p) for p in trainable]],
                       codes, seen)
-    dropped = replay.drop_guards_after_tensor_work(fn, gm, shape_env)
-    conditions = _hparam_conditions(shape_env, {
-        i: hparams[i] for i in _optimizer_numbers(lifted[2], lift, numbers)})
+    dropped, conditions = _guards_not_kept(fn, gm, shape_env, hparams, lifted, numbers)
     value_guards, source_files = guards.collect(fn, sa, codes, list(lift), seen)
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
@@ -603,6 +601,17 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         assignments=assignments,
         deferred_error=deferred,
     )
+
+
+def _guards_not_kept(fn: Callable, gm, shape_env, hparams: list, lifted: tuple,
+                     numbers: list) -> tuple[set, tuple[str, ...]]:
+    """Take out of ``shape_env`` the guards the program does not keep as shape guards: those
+    the step made after its tensor work (their symbols returned) and those on the optimizers'
+    numbers alone (returned as per-call conditions)."""
+    dropped = replay.drop_guards_after_tensor_work(fn, gm, shape_env)
+    lift, _, first = lifted
+    return dropped, _hparam_conditions(shape_env, {
+        i: hparams[i] for i in _optimizer_numbers(first, lift, numbers)})
 
 
 def _optimizer_numbers(first: int, lift: list[tuple], numbers: list) -> list[int]:
