@@ -27,7 +27,9 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from . import meta
 from .subgraph import insert_traced
-from .collectives import aten, c10d, collective_meta, finish_reduction, to_dtype, waited
+from .collectives import (
+    aten, c10d, carries_gradient_on, collective_meta, finish_reduction, mutates, to_dtype, waited,
+)
 from .fully_shard import (
     ShardingError, micro_batch_parts, pad_rows, reduce_optimizer_partials,
     reduce_scatter_parts, shard_parameters,
@@ -136,9 +138,11 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
     ``all_reduce``; in ``reduce_dtype`` when given (cast back to the gradient's dtype after).
     ``divide_factor`` (when given) is the divisor instead of the number of ranks."""
     ranks = divide_factor or math.prod(d.size for d in layout)
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
+    grads = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]
+    last = {g.meta[meta.PARAM_FQN]: g for g in grads}  # several backward calls: the final one
+    for grad in grads:
         fqn = grad.meta[meta.PARAM_FQN]
-        users = list(grad.users)
+        users = _readers(grad, fqn in sharded) if last[fqn] is not grad else list(grad.users)
         val = grad.meta["val"]
         cast = reduce_dtype is not None and reduce_dtype != val.dtype
         world = next(d.size for d in layout if d.placement.is_shard()) if fqn in sharded else None
@@ -169,9 +173,30 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
         x = finish_reduction(graph, x, users, divide_by=ranks if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
         x.meta.update(placed)
-        x.meta[meta.SYNCED_GRAD] = fqn
+        if last[fqn] is grad:
+            x.meta[meta.SYNCED_GRAD] = fqn
         for u in users:
             u.replace_input_with(grad, x)
+
+
+def _readers(grad: fx.Node, sharded: bool) -> list[fx.Node]:
+    """The uses of an earlier backward's gradient that read its average (an optimizer stepping
+    between two backward calls). Autograd's accumulation of the next backward's gradient goes
+    on in the local gradient, reduced once with the final one (the average of a sum is the sum
+    of the averages), unless a reader changes the gradient in place (clipping it): replicated,
+    the accumulation then adds to the changed average (which the next reduction leaves as it
+    is); sharded that cannot be, and is refused."""
+    readers = [u for u in grad.users if not carries_gradient_on(u, grad)]
+    changed = [u for u in readers if mutates(u, grad)]
+    if changed and not sharded:
+        return list(grad.users)
+    if changed:
+        raise ShardingError(
+            f"{changed[0].target} changes a gradient in place ({grad.meta[meta.PARAM_FQN]}) that "
+            f"a later backward() adds to: sharded, the later gradient would not see the change. "
+            f"Call zero_grad() before that backward, or use replicate. User code: "
+            f"{changed[0].meta.get('stack_trace', '<unknown>')}")
+    return readers
 
 
 def mesh_dim_of(gm: fx.GraphModule, collective: fx.Node) -> int | None:

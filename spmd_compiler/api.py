@@ -57,6 +57,7 @@ from .runtime import (
     place_state,
     retain_host_memory,
 )
+from .step_modules import modules_of
 from .tracing import LIFTED_HPARAMS, StepArgs, TracedStep, split_step_args
 
 log = logging.getLogger("spmd_compiler")
@@ -113,7 +114,7 @@ class CompiledStep:
         _require_process_group()
         mode = self.parallel_mode
         try:
-            sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims)
+            sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, self.fn)
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
                 group = mesh_group(_step_mesh(self.mesh, _device_of(args, kwargs)))
@@ -212,10 +213,15 @@ def _obtain(step: CompiledStep, sa: StepArgs, mesh, group, stored, build: Callab
     built it, the StoredProgram received or None); see shared_compile.py."""
     if stored is None and step.check_ranks and dist.get_world_size(group) > 1:
         return shared_compile.build_jointly(step, sa, mesh, group, dynamic,
-                                            check=lambda: refuse_bound(sa.module), build=build,
+                                            check=lambda: _refuse_bound(sa), build=build,
                                             fits=lambda ready: _fits(step, ready, sa))
-    refuse_bound(sa.module)
+    _refuse_bound(sa)
     return (stored if stored is not None else build()), None
+
+
+def _refuse_bound(sa: StepArgs) -> None:
+    for module in modules_of(sa.module):
+        refuse_bound(module)
 
 
 def _save(step: CompiledStep, disk: tuple[str, str], received, sa: StepArgs, entry, ready) -> None:
@@ -356,7 +362,8 @@ def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> N
         return
     place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
                 mode.param_init_fn, torch.device(mesh.device_type))
-    attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
+    for module in modules_of(sa.module):  # model(x), generate(), load_state_dict outside the step
+        attach_eager_use(module, mesh)
     if not has_plan(sa.module):  # a plan's state dicts keep DTensors, as eager TP's do
         saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
 
@@ -420,7 +427,7 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     else:
         dims = [("explain", world_size or 2)]
     sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
-                         step.parallel_mode.dynamic_dims)
+                         step.parallel_mode.dynamic_dims, step.fn)
     program = build_program(step.fn, sa, build_options(step, dims, mesh=mesh))
     runnable = program.runnable
     created = sorted({k for _, k in program.final_traced.new_state_keys})
@@ -502,7 +509,7 @@ def step_key(sa: StepArgs) -> tuple:
     for i, d in zip(sa.input_indices, sa.batch_dims):
         t = sa.leaves[i]
         inputs.append((t.dim(), d, t.dtype, t.device, t.requires_grad))
-    skip = {*sa.input_indices, sa.module_index, *sa.optimizer_indices}
+    skip = {*sa.input_indices, *sa.module_indices, *sa.optimizer_indices}
     constants = tuple(_hashable(x) for j, x in enumerate(sa.leaves) if j not in skip)
     return (
         ("module", id(module)), ("parameters", params), ("buffers", buffers),

@@ -30,6 +30,7 @@ from .errors import CollectiveError, InitializationError
 from .module_walk import tensors
 from .signature import StepSignature
 from .subclass_params import copy_hooks, inner_tensors
+from .step_modules import modules_of
 from .tracing import StepArgs, TracedStep
 
 _MESHES: dict[str, DeviceMesh] = {}
@@ -727,9 +728,10 @@ class CompiledGraph:
             for fqn in sig.kept_grads:  # free the last step's before this one makes new ones
                 params[fqn].grad = None
         else:
-            eager = sa.module.__dict__.get("_spmd_eager")
-            if eager is not None and eager.grads_written:  # an eager backward's, now stale
-                eager.clear_grads()
+            for module in modules_of(sa.module):
+                eager = module.__dict__.get("_spmd_eager")
+                if eager is not None and eager.grads_written:  # an eager backward's, now stale
+                    eager.clear_grads()
         return flat
 
 

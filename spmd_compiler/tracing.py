@@ -28,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
+from spmd_compiler.passes.collectives import carries_gradient_on
 
 from . import fake_kernels  # noqa: F401  (Meta kernels the fused optimizers lack)
 from .torch_internals import (
@@ -69,6 +70,7 @@ from .signature import StepSignature, split_inputs
 from . import tensor_parallel as tp
 from .halo_conv import halo_convolution
 from .call_args import flatten_step_args
+from .step_modules import argument_names, modules_of, step_root
 from . import block_reuse
 
 LIFTED_HPARAMS = ("lr",)
@@ -82,11 +84,13 @@ FUSABLE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 class StepArgs:
     """The step's arguments, split into what the compiler treats differently."""
 
+    # the step's module, or the root holding its several modules by argument name
+    # (spmd_compiler/step_modules.py)
     module: torch.nn.Module
     optimizers: list[torch.optim.Optimizer]
     leaves: list[Any]  # flat leaves of (args, kwargs)
     spec: pytree.TreeSpec
-    module_index: int
+    module_indices: list[int]
     optimizer_indices: list[int]
     input_indices: list[int]  # positions in `leaves` of tensor inputs
     batch_dims: list[int | None]  # one per input
@@ -153,8 +157,10 @@ class TracedStep:
 
 
 def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
-                    dynamic_dims: Any = None) -> StepArgs:
-    """Find the module, the optimizer(s) and the batch leaves among the step's arguments.
+                    dynamic_dims: Any = None, fn: Callable | None = None) -> StepArgs:
+    """Find the module(s), the optimizer(s) and the batch leaves among the step's arguments.
+    Several modules (also inside tuples, lists and dicts) are held by one root, each named by
+    its argument in ``fn``'s signature (spmd_compiler/step_modules.py).
 
     ``dynamic_dims`` (an int, or a pytree of ints/None over the batch arguments) names a
     non-batch dim per input to trace as a symbolic size; so does ``torch._dynamo.mark_dynamic``
@@ -162,12 +168,15 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
     leaves, spec = flatten_step_args(args, kwargs)
     modules = [i for i, x in enumerate(leaves) if isinstance(x, torch.nn.Module)]
     optimizers = [i for i, x in enumerate(leaves) if isinstance(x, torch.optim.Optimizer)]
-    if len(modules) != 1:
-        found = ", ".join(type(leaves[i]).__name__ for i in modules) or "none"
+    if not modules:
         raise StepSignatureError(
-            f"the step must receive exactly one torch.nn.Module among its arguments; found "
-            f"{len(modules)} ({found}). Wrap several modules in one parent module."
-        )
+            "the step must receive its torch.nn.Module(s) among its arguments (none found); the "
+            "compiled step places and records every module it receives.")
+    if len(modules) == 1:
+        root = leaves[modules[0]]
+    else:
+        names = argument_names(fn, args, kwargs)
+        root = step_root([(names[i], leaves[i]) for i in modules])
     if not optimizers:
         raise StepSignatureError(
             "the step must receive its torch.optim.Optimizer as an argument (none found); the "
@@ -176,11 +185,11 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
     inputs = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     batch_dims = _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim)
     return StepArgs(
-        module=leaves[modules[0]],
+        module=root,
         optimizers=[leaves[i] for i in optimizers],
         leaves=leaves,
         spec=spec,
-        module_index=modules[0],
+        module_indices=modules,
         optimizer_indices=optimizers,
         input_indices=inputs,
         batch_dims=batch_dims,
@@ -348,7 +357,7 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
         def hook(t):
             mode = get_proxy_mode()
             node = get_proxy_slot(tp.local_of(subclasses.plain_grad(t)), mode.tracer).proxy.node
-            grad_nodes[fqn] = node
+            grad_nodes.setdefault(fqn, []).append(node)
 
         return hook
 
@@ -422,7 +431,7 @@ def trace_step(
     INPUT_DYNAMIC_DIMS.
     """
     kwargs = kwargs or {}
-    sa = step_args or split_step_args(args, kwargs, input_batch_dim)
+    sa = step_args or split_step_args(args, kwargs, input_batch_dim, fn=fn)
     dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
     entangled: list[tuple[int, int, str]] = []
     while True:
@@ -509,12 +518,14 @@ class _ModuleState:
             buffer_fqn_of.setdefault(id(b), name)
         params = list({id(p): p for _, p in named_params}.values())
         buffers = list({id(b): b for _, b in named_buffers}.values())
-        if any(id(p) not in fqn_of for opt in sa.optimizers for g in opt.param_groups
-               for p in g["params"]):
-            raise StepSignatureError(
-                "the optimizer holds a parameter that is not a parameter of the step's module; "
-                "compile a step whose module owns every optimized parameter."
-            )
+        for k, opt in enumerate(sa.optimizers):
+            stray = [p for g in opt.param_groups for p in g["params"] if id(p) not in fqn_of]
+            if stray:
+                raise StepSignatureError(
+                    f"optimizer {k} ({type(opt).__name__}) holds a parameter of shape "
+                    f"{tuple(stray[0].shape)} that belongs to no module passed to the step; pass "
+                    f"every module whose parameters an optimizer updates as an argument of the "
+                    f"step.")
         states = [((fqn_of[id(p)], k), v) for opt in sa.optimizers for p, st in opt.state.items()
                   for k, v in st.items() if isinstance(v, torch.Tensor)]
         return _ModuleState(named_params, named_buffers, params, buffers, fqn_of, buffer_fqn_of,
@@ -569,7 +580,8 @@ class _StatelessStep:
         self.lifted = lifted
         self.reads, self.fuse, self.mp_policy, self.accumulation = (
             reads, fuse_optimizer, mp_policy, accumulation)
-        self.grad_nodes: dict[str, torch.fx.Node] = {}
+        # parameter -> the node of its ``.grad`` after each backward that accumulated into it
+        self.grad_nodes: dict[str, list[torch.fx.Node]] = {}
         self.created: list[tuple[str, str]] = []
         self.out_spec = None
         self.out_constants: dict[int, Any] = {}
@@ -596,20 +608,22 @@ class _StatelessStep:
         by_name.update({n: buffer_of[id(b)] for n, b in st.named_buffers})
         state_by_key = dict(zip([k for k, _ in st.states], states))
         trainable = [fp for fp in params if fp.requires_grad]
-        regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD)
+        regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD,
+                              meta.Region.OPTIMIZER)
         with _reparametrize_module(sa.module, by_name, strict=False), regions, \
                 refuse_reentrant_checkpoint(_reentrant_checkpoint_error), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse
-        ), self.reads, compiling_forward(sa.module), cast_forward(sa.module, self.mp_policy), \
+        ), self.reads, _each_module(sa.module, compiling_forward,
+                                    lambda m: cast_forward(m, self.mp_policy)), \
                 accumulating(sa.optimizers, sa.module, list(zip(trainable, grads)), self.accumulation), \
                 guards.substituted(*self.lifted[:2], lifted[self.lifted[2]:]), \
                 watch_side_effects(self.fn, sa.module, sa.optimizers, step_constants(sa),
                                    user_line_here, into=self.changed), \
-                subclasses.gathered_forward(
-                    sa.module, self.subclasses.hooked,
+                _each_module(sa.module, lambda m: subclasses.gathered_forward(
+                    m, self.subclasses.hooked,
                     {st.fqn_of[id(p)]: fp for p, fp in zip(st.params, params)},
                     self.subclasses.shard, self.mp_policy, self.grad_nodes,
-                    self.subclasses.described):
+                    self.subclasses.described)):
             out = self.fn(*call_args, **call_kwargs)
             grads_out = [fp.grad for fp in trainable] if self.accumulation == ACCUMULATE else []
             fqn_of_fake = {id(fp): st.fqn_of[id(p)] for p, fp in zip(st.params, params)}
@@ -640,6 +654,17 @@ class _StatelessStep:
                     self.created.append((fqn, k))
                     new_states.append(tp.local_of(v))
         return new_states
+
+
+@contextlib.contextmanager
+def _each_module(root: torch.nn.Module, *contexts: Callable):
+    """Each of ``contexts`` (a function of a module) entered for every module the step
+    received (``root``'s, spmd_compiler/step_modules.py)."""
+    with contextlib.ExitStack() as stack:
+        for module in modules_of(root):
+            for context in contexts:
+                stack.enter_context(context(module))
+        yield
 
 
 def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict) -> torch.fx.GraphModule:
@@ -893,6 +918,16 @@ def _describe_trace_failure(e: Exception) -> str:
     return f"recording the step failed at {where}: {type(e).__name__}: {first_line}"
 
 
+def _gradients_read(gm, nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Of a parameter's ``.grad`` after each backward (in order), the ones the step reads: the
+    last, and each earlier one that something other than the next backward's accumulation uses
+    (an optimizer stepping between two backward calls). Micro-batches accumulated into one
+    gradient are read once, at the end."""
+    nodes = [n for n in dict.fromkeys(nodes) if n.graph is gm.graph]
+    return [n for k, n in enumerate(nodes) if k == len(nodes) - 1
+            or any(not carries_gradient_on(u, n) for u in n.users)]
+
+
 def _annotate(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_dims):
     """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders (as the signature names
     them) and grads; REGION on all."""
@@ -916,8 +951,8 @@ def _annotate(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_di
         # unbatched inputs: this rank's own gradients
         n.meta.update({meta.ROLE: meta.Role.INPUT, meta.INPUT_BATCH_DIM: None,
                        meta.INPUT_DYNAMIC_DIMS: (), meta.INPUT_PATH: f"accumulated grad of {fqn}"})
-    for fqn, node in grad_nodes.items():
-        if node.graph is gm.graph:
+    for fqn, nodes in grad_nodes.items():
+        for node in _gradients_read(gm, nodes):
             node.meta[meta.ROLE] = meta.Role.GRAD
             node.meta[meta.PARAM_FQN] = fqn
     for n in gm.graph.nodes:
