@@ -153,14 +153,22 @@ def _plan(graph: fx.Graph, members: list[_Member], cap: int, first_cap: int,
     order = {n: i for i, n in enumerate(graph.nodes)}
 
     def depends_on(m: _Member, others: list[_Member]) -> bool:
-        # (a chained all_reduce over the next mesh dim merges with the bucket: not a reader)
         return reads(m, others) or at_last and any(
-            order[u] < order[m.issue] for o in others for u in o.wait.users
-            if u.target is not c10d.all_reduce.default)
+            order[u] < order[m.issue] for o in others for u in _readers(o.wait))
 
     plan = lambda ms: _buckets(ms, cap, first_cap, depends_on, strict)  # noqa: E731
     own = _own_collectives(members, own_cap, plan)
     return plan([m for i, m in enumerate(members) if i not in own])
+
+
+def _readers(wait: fx.Node) -> list[fx.Node]:
+    """What reads a collective's result: its users, and through an all_reduce of it over the
+    next mesh dim (hybrid sharding's, merged with the bucket) that one's readers."""
+    out = []
+    for u in wait.users:
+        chained = _chained_all_reduce(wait) if u.target is c10d.all_reduce.default else None
+        out += _readers(chained[1]) if chained else [u]
+    return out
 
 
 def _dependency_check(graph: fx.Graph, members: list[_Member]):

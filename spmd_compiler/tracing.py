@@ -786,14 +786,14 @@ def _lift_numbers(values: list, shape_env, hparams: list, hparam_values: list,
 
 
 def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_dims) -> None:
-    """Profiler nodes out, dtypes checked, the meta the passes read written; every trainable
-    parameter must have got a gradient."""
+    """Profiler nodes out, dtypes checked, the meta the passes read written; every parameter an
+    optimizer updates must have got a gradient."""
     remove_profiler_nodes(gm)
     tp.mark_plan_collectives(gm, tp.plan_groups(sa))
     _check_matmul_dtypes(gm)
     _annotate(gm, signature, sa, grad_nodes, dynamic_dims)
-    missing = [fqn for fqn in signature.params if fqn not in grad_nodes
-               and fqn in _trainable(sa)]
+    trainable = _trainable(sa)
+    missing = [fqn for fqn in signature.params if fqn not in grad_nodes and fqn in trainable]
     tp.refuse_unused_plans(sa.module, missing)
     if missing:
         raise MissingGradientError(
@@ -803,7 +803,11 @@ def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynami
 
 
 def _trainable(sa: StepArgs) -> set[str]:
-    return {n for n, p in sa.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    """Names of the parameters an optimizer updates from their gradients (a module nothing
+    trains, an EMA copy that requires grad as timm's does, needs none)."""
+    optimized = {id(p) for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
+    return {n for n, p in sa.module.named_parameters(remove_duplicate=False)
+            if p.requires_grad and id(p) in optimized}
 
 
 def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:

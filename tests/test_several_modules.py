@@ -50,6 +50,9 @@ class GAN(nn.Module):
         self.G = _mlp(4, 16, 8)
         self.D = _mlp(8, 16, 1)
 
+    def forward(self, z):
+        return self.D(self.G(z))
+
 
 def gan_parent_step(gan, opt_g, opt_d, batch):
     """Two optimizers, two backward calls in one parent module."""
@@ -64,6 +67,23 @@ def gan_step(G, D, opt_g, opt_d, batch):
     fake = G(z)
     d_loss = (F.softplus(-D(real)) + F.softplus(D(fake.detach()))).mean()
     d_loss.backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    g_loss = F.softplus(-D(fake)).mean()
+    g_loss.backward()
+    opt_g.step()
+    return d_loss.detach(), g_loss.detach()
+
+
+def gan_clip_step(G, D, opt_g, opt_d, batch):
+    """The GAN with the discriminator's gradients clipped in place before its step (the
+    generator's backward then adds to the clipped ones, which nothing reads)."""
+    real, z = batch
+    opt_d.zero_grad()
+    fake = G(z)
+    d_loss = (F.softplus(-D(real)) + F.softplus(D(fake.detach()))).mean()
+    d_loss.backward()
+    torch.nn.utils.clip_grad_norm_(D.parameters(), 0.05)
     opt_d.step()
     opt_g.zero_grad()
     g_loss = F.softplus(-D(fake)).mean()
@@ -319,6 +339,7 @@ CASES = {
     "gan_parent": _gan_parent,
     "gan": _two_optimizer_gan(gan_step),
     "gan_dict": _gan_dict,
+    "gan_clip": _two_optimizer_gan(gan_clip_step),
     "wgan_gp": _two_optimizer_gan(wgan_gp_step, eps=True),
     "ema_lerp": _with_copy(ema_lerp_step, _frozen, (8, 16, 4), _regression_data),
     "ema_foreach": _with_copy(ema_foreach_step, _frozen, (8, 16, 4), _regression_data),
@@ -507,3 +528,25 @@ def test_several_modules_match_ddp(pool, case, style):
 @pytest.mark.parametrize("case", HYBRID_CASES)
 def test_several_modules_hybrid_shard_match_ddp(pool, case, style):
     _assert_report(pool, case, style)
+
+
+def test_explain_names_each_module_by_its_argument():
+    """The summary's parameter table names every parameter by the argument its module was passed
+    as: ``G.``/``D.`` for separate arguments, ``nets.G.`` for a dict, the EMA copy's as ``ema.``
+    (one process, no process group: explain at world size 2)."""
+    from spmd_compiler import DataParallel
+    from spmd_compiler.api import explain
+
+    ours, _ = _gan_parts()
+    G, D = ours["G"], ours["D"]
+    batch = (torch.randn(BATCH, 8), torch.randn(BATCH, 4))
+    text = explain(gan_step, G, D, _adam(G), _adam(D), batch,
+                   parallel_mode=DataParallel("fully_shard")).to_text()
+    assert "G.0.weight" in text and "D.2.bias" in text, text
+    text = explain(gan_dict_step, ours, (_adam(G), _adam(D)), batch).to_text()
+    assert "nets.G.0.weight" in text and "nets.D.0.weight" in text, text
+    torch.manual_seed(0)
+    model = _mlp(8, 16, 4)
+    text = explain(ema_lerp_step, model, _frozen(model), _adam(model),
+                   (torch.randn(BATCH, 8), torch.randn(BATCH, 4))).to_text()
+    assert "model.0.weight" in text and "ema.0.weight" in text, text
