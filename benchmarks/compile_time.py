@@ -117,7 +117,7 @@ def worker_explain(depth: int, mode: str, split: bool) -> dict:
     out = dict(seconds=time.perf_counter() - start, cpu=time.process_time() - cpu,
                stages=dict(summary.compile_times), nodes=summary.num_nodes)
     if split:  # where the trace's time goes, on a warm process
-        from spmd_compiler.tracing import trace_step
+        from spmd_compiler.trace.record import trace_step
 
         for batch_dim, name in ((0, "symbolic batch"), (None, "static batch")):
             model, opt = build(depth)

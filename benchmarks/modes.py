@@ -121,7 +121,7 @@ def _prepare_ddp_tuned(spec: ModelSpec, world_size: int) -> Runner:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     try:
-        from spmd_compiler.runtime import retain_host_memory
+        from spmd_compiler.runtime.program import retain_host_memory
     except ImportError as e:
         raise NotAvailable(f"spmd_compiler not importable: {e}") from e
     retain_host_memory()
@@ -149,7 +149,7 @@ def _prepare_compute(spec: ModelSpec, world_size: int) -> Runner:
     """One rank's step alone, with the fused optimizer and the host-memory setting of ddp_tuned
     and spmd: the fastest single-device step, the bound every data-parallel mode is held to."""
     try:
-        from spmd_compiler.runtime import retain_host_memory
+        from spmd_compiler.runtime.program import retain_host_memory
     except ImportError as e:
         raise NotAvailable(f"spmd_compiler not importable: {e}") from e
     retain_host_memory()
@@ -322,7 +322,11 @@ def _compile_seconds(step) -> float | None:
 def _graph_collectives(step) -> dict[str, dict[str, int]] | None:
     """Collectives one call of the latest compiled graph issues: {kind: {count, bytes}}."""
     try:
-        from spmd_compiler.visualize import collective_bytes, collective_kind, collective_nodes
+        from spmd_compiler.observe.visualize import (
+            collective_bytes,
+            collective_kind,
+            collective_nodes,
+        )
 
         gm = step.last_compiled.traced.gm
     except (ImportError, AttributeError):

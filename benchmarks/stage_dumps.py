@@ -92,7 +92,8 @@ def _run(rank: int, world: int, port: int, out: str, models: tuple[str, ...]) ->
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_compiler import DataParallel, spmd_compile, visualize
+    from spmd_compiler import DataParallel, spmd_compile
+    from spmd_compiler.observe import visualize
 
     mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     written: dict[str, int] = {}

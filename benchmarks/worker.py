@@ -126,7 +126,7 @@ def _memory(runner, batch) -> dict | None:
     if runner.module is None:
         return None
     try:
-        from spmd_compiler.memory import measure_step_memory
+        from spmd_compiler.observe.memory import measure_step_memory
     except ImportError:
         return None
     report = measure_step_memory(lambda: runner.step(batch), runner.module, [runner.optim])

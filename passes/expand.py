@@ -31,8 +31,12 @@ from .collectives import (
     aten, c10d, carries_gradient_on, collective_meta, finish_reduction, mutates, to_dtype, waited,
 )
 from .fully_shard import (
-    ShardingError, micro_batch_parts, pad_rows, reduce_optimizer_partials,
-    reduce_scatter_parts, shard_parameters,
+    ShardingError,
+    micro_batch_parts,
+    pad_rows,
+    reduce_optimizer_partials,
+    reduce_scatter_parts,
+    shard_parameters,
 )
 from .replicate import broadcast_buffers_from_rank0
 

@@ -1,5 +1,5 @@
 """The parameters whose unshard the tracer recorded (FSDP2's all-gather extensions, GATHERED
-placeholders; spmd_compiler/subclass_params.py) once the fully_shard expansion makes them shards.
+placeholders; spmd_compiler/features/subclass_params.py) once the fully_shard expansion makes them shards.
 
 The recording took this rank's rows of each at its global shape and ran the pre hook, the gather
 and the post hook on them; the expansion keeps those nodes. Two things change:

@@ -11,7 +11,7 @@ same time overlaps it, and the op writes there through its ``out=`` variant.
 
 The workspace is an input of the graph (one ``workspace`` placeholder per device, named in
 ``gm.meta[WORKSPACES]``): the graph reads no state of its own. The runtime owns the buffers and
-passes them in (spmd_compiler/runtime.py, ``Workspaces``; the step signature's ``workspaces``).
+passes them in (spmd_compiler/state/placement.py, ``Workspaces``; the step signature's ``workspaces``).
 """
 
 from __future__ import annotations

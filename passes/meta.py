@@ -84,7 +84,7 @@ MESH_DIMS = "spmd_mesh_dims"
 PLAN_DIMS = "spmd_plan_dims"
 
 # Written by the tracer for parameters whose unshard it records (FSDP2's all-gather extensions,
-# spmd_compiler/subclass_params.py). str: the parameter's fqn, on its PARAM placeholders (the
+# spmd_compiler/features/subclass_params.py). str: the parameter's fqn, on its PARAM placeholders (the
 # expansion shards them and inserts no gather of its own) and on the all_gather issue nodes the
 # hooks asked for (bucketing leaves them alone: their inputs are computed by the hooks).
 GATHERED = "spmd_gathered"

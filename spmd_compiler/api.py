@@ -17,48 +17,35 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import cache, compile_log, guards, optimizer_state, saving, shared_compile
-from .accumulation import KeptGradients
-from .consistency import (
-    CACHED,
-    COMPILE,
-    COMPILE_FAILED,
-    CarriedAgreement,
-    RankCheck,
-    Redispatch,
-    agree_on_call,
-    agree_on_program,
-    agreement_in_flight,
-    await_agreement,
-    carry_alone,
-    CARRIER,
-    describe_graph,
-    describe_program,
-    start_agreement,
-)
-from .dynamic_dims import InputShapeHistory
-from .eager import attach as attach_eager_use, refuse_bound
+from .build import cache, shared_compile
+from .build.pipeline import BuildOptions, build_program, dump_dir_for_compile, info
+from .build.program_check import agree_on_program, describe_graph, describe_program
 from .errors import NoProcessGroupError, SPMDError
-from .mixed_precision import check_policy
-from .call_args import spec_text
-from .module_walk import walk
-from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, mesh_dims
-from .tensor_parallel import DataParallelDims, graph_inputs, has_plan
-from .pipeline import BuildOptions, build_program, dump_dir_for_compile, info
-from .subclass_params import extension_key, shard_context
-from .replay import run_after
-from .runtime import (
-    CompiledGraph,
-    communication_failures,
-    default_mesh,
-    lifted_hparams,
-    mesh_group,
+from .features.accumulation import KeptGradients
+from .features.subclass_params import shard_context
+from .features.tensor_parallel import DataParallelDims, graph_inputs, has_plan
+from .observe import compile_log
+from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, check_policy, mesh_dims
+from .runtime.agreement import CARRIER, RankCheck, await_agreement, mesh_group
+from .runtime.call_args import StepArgs, lifted_hparams, split_step_args
+from .runtime.dispatch import (
+    DONE,
+    Call,
+    agree_and_run,
+    call_mesh,
     module_device,
-    place_state,
-    retain_host_memory,
+    refuse_call,
+    run,
+    step_key,
 )
-from .step_modules import modules_of
-from .tracing import LIFTED_HPARAMS, StepArgs, TracedStep, split_step_args
+from .runtime.program import CompiledGraph, retain_host_memory
+from .runtime.signature import TracedStep
+from .runtime.step_modules import modules_of
+from .state import optimizer_state, saving
+from .state.eager import attach as attach_eager_use, refuse_bound
+from .state.placement import communication_failures, place_state
+from .trace import guards
+from .trace.dynamic_dims import InputShapeHistory
 
 log = logging.getLogger("spmd_compiler")
 
@@ -95,7 +82,7 @@ class CompiledStep:
         self._programs: list[CompiledGraph] = []
         self._shapes = InputShapeHistory(parallel_mode.automatic_dynamic, check_ranks)
         self._last_key: tuple | None = None
-        self._carrier = None  # the all_reduces every program's check rides in (consistency.py)
+        self._carrier = None  # the all_reduces every program's check rides in (runtime/agreement.py)
         self.compile_count = 0  # programs made ready: compiled, or loaded from the disk cache
         self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
@@ -108,36 +95,32 @@ class CompiledStep:
         return self._kept.no_sync()
 
     def _step_key(self, sa: StepArgs) -> tuple:
-        return step_key(sa) + (("gradient accumulation", self._kept.mode_for(sa.module)),)
+        return step_key(sa, self._kept.mode_for(sa.module))
 
     def __call__(self, *args, **kwargs):
         _require_process_group()
-        mode = self.parallel_mode
-        try:
-            sa = split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, self.fn)
-        except SPMDError as e:
-            if self.check_ranks:  # the other ranks must not wait for this one in a collective
-                group = mesh_group(_step_mesh(self.mesh, _device_of(args, kwargs)))
-                with communication_failures("the per-call agreement between ranks"):
-                    if self._carrier:
-                        carry_alone(self._carrier, group, failed=True)
-                    else:
-                        agree_on_call(COMPILE_FAILED, 0, group, [], len(self._programs), e)
-            raise
-        device = module_device(sa.module, [sa.leaves[i] for i in sa.input_indices])
-        mesh = _step_mesh(self.mesh, device)
-        key = self._step_key(sa)
-        call = _Call(sa, graph_inputs(sa), self._data_mesh(mesh, sa), lifted_hparams(sa), key)
+        sa = self._arguments(args, kwargs)
+        inputs = [sa.leaves[i] for i in sa.input_indices]
+        mesh = call_mesh(self.mesh, module_device(sa.module, inputs))
+        call = Call.of(sa, self._data_mesh(mesh, sa), self._kept.mode_for(sa.module))
         choice = call.newest_fit(self._programs)  # the newest program that fits, as dynamo's
         if self.check_ranks:
-            choice, out = _agree_and_run(self, call, mesh_group(mesh), choice)
-            if choice is _DONE:
+            choice, out = agree_and_run(self._programs, self._carrier, call, mesh_group(mesh),
+                                        choice, self._kept.grads, self.fn)
+            if choice is DONE:
                 return out
-        entry = self._programs[choice] if choice is not None else _compile(self, sa, mesh, key)
-        with torch.no_grad():
-            out = entry(sa, call.dp_mesh, call.hparams, self._kept.grads)
-        run_after(self.fn, entry.traced.replay, sa)  # the step's Python state changes
-        return out
+        entry = self._programs[choice] if choice is not None else _compile(self, sa, mesh, call.key)
+        return run(entry, call, self._kept.grads, self.fn)
+
+    def _arguments(self, args: tuple, kwargs: dict) -> StepArgs:
+        """The call's arguments split; a rejection is told to the other ranks, then raised."""
+        mode = self.parallel_mode
+        try:
+            return split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, self.fn)
+        except SPMDError as e:
+            if self.check_ranks:  # the other ranks must not wait for this one in a collective
+                refuse_call(self._carrier, self.mesh, args, kwargs, len(self._programs), e)
+            raise
 
     def _compile(self, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
         """Build the program (or load it from the disk cache), check that every rank has the
@@ -213,6 +196,7 @@ def _obtain(step: CompiledStep, sa: StepArgs, mesh, group, stored, build: Callab
     built it, the StoredProgram received or None); see shared_compile.py."""
     if stored is None and step.check_ranks and dist.get_world_size(group) > 1:
         return shared_compile.build_jointly(step, sa, mesh, group, dynamic,
+                                            options=_cache_options(step),
                                             check=lambda: _refuse_bound(sa), build=build,
                                             fits=lambda ready: _fits(step, ready, sa))
     _refuse_bound(sa)
@@ -250,59 +234,6 @@ def _why_again(step: CompiledStep, key: tuple, sa: StepArgs,
             or static(step._last_key, key))
 
 
-_DONE = object()  # _agree_and_run's choice when it ran the step itself
-
-
-class _Call(NamedTuple):
-    """One call's arguments as the programs' guards and the runtime read them."""
-
-    sa: StepArgs
-    inputs: list  # the graph's batch inputs (tensor_parallel.graph_inputs)
-    dp_mesh: Any
-    hparams: list[float]
-    key: tuple  # step_key
-
-    def fits(self, entry: CompiledGraph) -> bool:
-        return entry.static_key == self.key and entry.guards_hold(self.inputs, self.hparams)
-
-    def newest_fit(self, programs: list[CompiledGraph]) -> int | None:
-        return next((k for k in range(len(programs) - 1, -1, -1) if self.fits(programs[k])), None)
-
-    def all_fits(self, programs: list[CompiledGraph]) -> list[int]:
-        return [k for k, e in enumerate(programs) if self.fits(e)]
-
-
-def _agree_and_run(step: CompiledStep, call: _Call, group, choice: int | None):
-    """(the program every rank runs, None: compile one; or _DONE, the step's output).
-
-    A rank with a cached eager program runs it while the agreement travels: inside its first
-    gradient all_reduce (``step._carrier``) or in a dedicated exchange issued first; the graph
-    checks it before its first collective or state update and stops there if the ranks chose
-    otherwise. A rank that must compile joins the carrier alone. When the carried check finds
-    that ranks differ, every rank exchanges which programs fit (``agree_on_call``)."""
-    programs, sa = step._programs, call.sa
-    where = "the per-call agreement between ranks"
-    if choice is not None and programs[choice].checks_ranks_inside:
-        with communication_failures(where):
-            pending = (CarriedAgreement(choice, step._carrier, group) if step._carrier else
-                       start_agreement(CACHED, 0, group, call.all_fits(programs), len(programs),
-                                       running=choice))
-        try:
-            with torch.no_grad(), agreement_in_flight(pending) as agreement:
-                out = programs[choice](sa, call.dp_mesh, call.hparams, step._kept.grads, agreement)
-            run_after(step.fn, programs[choice].traced.replay, sa)
-            return _DONE, out
-        except Redispatch as r:
-            if r.resolved:
-                return r.choice, None
-    elif step._carrier:
-        with communication_failures(where):
-            carry_alone(step._carrier, group)
-    fits = call.all_fits(programs)
-    with communication_failures(where):
-        return agree_on_call(CACHED if fits else COMPILE, 0, group, fits, len(programs)), None
-
-
 def _why(old: tuple, new: tuple) -> str:
     changed = [name for (name, a), (_, b) in zip(old, new) if a != b]
     return "changed " + ", ".join(changed) if changed else (
@@ -319,17 +250,6 @@ def build_options(step: CompiledStep, dims: list[tuple[str, int]], dynamic=None,
                         step.gm_transformation, check,
                         dump_dir_for_compile(step.dump_dir, step.compile_count), step._lifts,
                         shard=shard_context(step.parallel_mode, mesh, dims))
-
-
-def _step_mesh(mesh, device: torch.device):
-    """The step's mesh: the one given, else the 1-D mesh over the default group."""
-    if mesh is None:
-        return default_mesh(device)
-    if mesh.get_coordinate() is None:
-        raise SPMDError(
-            f"rank {dist.get_rank()} is not in the mesh the step was compiled for "
-            f"({mesh}); call the compiled step only on the mesh's ranks")
-    return mesh
 
 
 def _require_process_group() -> None:
@@ -372,7 +292,7 @@ def _write_summaries(entry: CompiledGraph, dump_dir: str | None, index: int) -> 
     """The summary of compile ``index`` in its dump folder, and at the top level (the latest)."""
     folder = dump_dir_for_compile(dump_dir, index)
     if folder:
-        from .visualize import write_summary
+        from .observe.visualize import write_summary
 
         write_summary(entry_summary(entry), folder)
         write_summary(entry_summary(entry), dump_dir)
@@ -399,7 +319,7 @@ class _Ready(NamedTuple):
     runnable: Callable
     guard_code: str | None
     seconds: dict[str, float]
-    graph: dict  # consistency.describe_graph of the final graph
+    graph: dict  # program_check.describe_graph of the final graph
     num_nodes: int
     summary: Any = None  # the stored summary of a loaded program
 
@@ -413,13 +333,13 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     was given one); otherwise give ``world_size`` (default 2) to see what the step would do at
     that size; for hybrid_shard a (replicate, shard) mesh shape (an int n: ``(n // 2, 2)``).
     """
-    from .visualize import summarize, write_summary
+    from .observe.visualize import summarize, write_summary
 
     step = train_step if isinstance(train_step, CompiledStep) else CompiledStep(
         train_step, parallel_mode or DataParallel("replicate"), dump_dir=dump_dir)
     mesh = None
     if dist.is_available() and dist.is_initialized():
-        mesh = _step_mesh(step.mesh, torch.device("cpu"))
+        mesh = call_mesh(step.mesh, torch.device("cpu"))
         dims = mesh_dims(mesh)
     elif step.parallel_mode.parallel_style == "hybrid_shard":
         shape = world_size if isinstance(world_size, tuple) else (max(1, (world_size or 4) // 2), 2)
@@ -444,7 +364,7 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
 def entry_summary(entry: CompiledGraph):
     """The visualize.Summary of a compiled graph (of a program loaded from the disk cache: the
     one made when it was compiled)."""
-    from .visualize import summarize
+    from .observe.visualize import summarize
 
     if entry.traced.gm is None:
         return entry.summary
@@ -457,66 +377,6 @@ def summary_text(step: CompiledStep) -> str | None:
     if step.last_compiled is None:
         return None
     return entry_summary(step.last_compiled).to_text()
-
-
-def _device_of(args: tuple, kwargs: dict) -> torch.device:
-    """The device of the first module or tensor among the arguments (for the error path)."""
-    from .torch_internals import pytree
-
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.nn.Module):
-            return module_device(leaf)
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return torch.device("cpu")
-
-
-def _hashable(x: Any) -> Any:
-    try:
-        hash(x)
-        return x
-    except TypeError:
-        return ("id", id(x))
-
-
-def step_key(sa: StepArgs) -> tuple:
-    """Everything a compiled graph depends on besides the input sizes (which its guards check).
-
-    Named components, so a recompile can say what changed. Read on every call: one walk over
-    the module tree (module_walk.py).
-    """
-    module = sa.module
-    tree = walk(module)
-    params = tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for _, p in tree.params)
-    buffers = tuple((id(b), tuple(b.shape), b.dtype) for _, b in tree.buffers)
-    training = tuple(m.training for m in tree.modules)
-    optim = []
-    for opt in sa.optimizers:
-        groups = tuple(
-            tuple(sorted((k, _hashable(v)) for k, v in g.items()  # plain values: guards.py
-                         if k != "params" and k not in LIFTED_HPARAMS and not guards.is_plain(v)))
-            + (tuple(map(id, g["params"])),)
-            for g in opt.param_groups
-        )
-        state = tuple(
-            (id(p), tuple(sorted(k for k, v in st.items() if isinstance(v, torch.Tensor))))
-            for p, st in opt.state.items()
-        )
-        optim.append((type(opt), id(opt), groups, state))
-    # Sizes are left to each program's guards (a dim may be static in one program and a
-    # symbol in a later one); the rank and everything else that makes another program is here.
-    inputs = []
-    for i, d in zip(sa.input_indices, sa.batch_dims):
-        t = sa.leaves[i]
-        inputs.append((t.dim(), d, t.dtype, t.device, t.requires_grad))
-    skip = {*sa.input_indices, *sa.module_indices, *sa.optimizer_indices}
-    constants = tuple(_hashable(x) for j, x in enumerate(sa.leaves) if j not in skip)
-    return (
-        ("module", id(module)), ("parameters", params), ("buffers", buffers),
-        ("train/eval mode", training), ("optimizer", tuple(optim)),
-        ("input structure", spec_text(sa.spec)), ("inputs", tuple(inputs)), ("constants", constants),
-        ("all-gather extensions", extension_key(module, tree.params)),
-    )
 
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
@@ -535,16 +395,16 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
         check_ranks: verify that every rank compiles the same program (at compile time) and that
             all ranks agree on when to recompile (per call, a header in the eager graph's first
             gradient bucket, else one small all_reduce awaited just before its first collective
-            or state update; see spmd_compiler/consistency.py). Turn off only
+            or state update; see spmd_compiler/runtime/agreement.py). Turn off only
             when inputs are known to agree across ranks; a disagreement then hangs or diverges.
         retain_host_memory: keep the host memory a step frees for the next one instead of
             returning it to the OS (glibc malloc settings, process-wide, set at the first
-            compile; see ``runtime.retain_host_memory``). Saves re-faulting every step's
+            compile; see ``runtime.program.retain_host_memory``). Saves re-faulting every step's
             activations and buckets; resident memory stays at the step's peak.
         cache_dir: keep compiled programs in this directory (also ``SPMD_CACHE_DIR``), so a
             restarted job or a second run loads them instead of compiling (eager backend;
             ignored with ``dump_dir``). Keyed by everything the program depends on and checked
-            against the source files it was recorded from; see spmd_compiler/cache.py and
+            against the source files it was recorded from; see spmd_compiler/build/cache.py and
             docs/user_guide.md.
         mesh: the ``DeviceMesh`` to train over. replicate and fully_shard take a 1-D mesh (a
             sub-group, or one dim of a larger mesh: ``mesh["dp"]``); hybrid_shard a 2-D mesh,

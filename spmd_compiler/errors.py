@@ -48,3 +48,7 @@ class TensorParallelError(SPMDError):
     """A tensor-parallel plan that does not fit the step: its mesh is not a dim of the step's
     mesh, it leaves no dim to the DataParallel asked for, or it is on a module the step never
     calls."""
+
+
+class RankMismatchError(SPMDError):
+    """Ranks disagree about the program they run (or one of them failed to compile it)."""

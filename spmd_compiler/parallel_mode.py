@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from .errors import SPMDError
-from .mixed_precision import check_policy
+from .errors import MixedPrecisionError, SPMDError
 from .torch_internals import pytree
 
 _STYLES = ("replicate", "fully_shard", "hybrid_shard")
@@ -200,7 +201,7 @@ def check_mesh(mode: DataParallel, mesh: Any) -> None:
     style = mode.parallel_style
     want = 2 if style == "hybrid_shard" else 1
     # a larger mesh with named dims may hold tensor-parallel dims: the dims left to data
-    # parallelism are checked again at the first call (spmd_compiler/tensor_parallel.py)
+    # parallelism are checked again at the first call (spmd_compiler/features/tensor_parallel.py)
     if mesh.ndim != want and not (mesh.ndim > want and mesh.mesh_dim_names):
         hint = ("a 2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (nodes, per_node), "
                 "mesh_dim_names=('replicate', 'shard'))" if want == 2 else
@@ -218,3 +219,45 @@ def mesh_dims(mesh: Any) -> list[tuple[str, int]]:
 
 
 ParallelMode = DataParallel
+
+
+# Dtypes the backends reduce and gather (gloo raises "Invalid scalar type" on float8 types).
+_COLLECTIVE_DTYPES = {
+    "gloo": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    "nccl": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+}
+
+
+def check_policy(policy, backend: str | None = None) -> None:
+    """Raise a MixedPrecisionError for anything but a ``MixedPrecisionPolicy`` whose dtypes are
+    floating point and, under ``backend``, dtypes the backend can gather (``param_dtype``) and
+    reduce (the reduce dtype)."""
+    if policy is None:
+        return
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise MixedPrecisionError(
+            f"DataParallel(mp_policy=...) takes a torch.distributed.fsdp.MixedPrecisionPolicy, "
+            f"got {type(policy).__name__}")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, field)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise MixedPrecisionError(
+                f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype, got {dtype!r}")
+    supported = _COLLECTIVE_DTYPES.get(str(backend).lower()) if backend else None
+    if supported is None:
+        return
+    for field, dtype, what in (("param_dtype", policy.param_dtype, "all-gather"),
+                               ("reduce_dtype", reduce_dtype_of(policy), "reduce")):
+        if dtype is not None and dtype not in supported:
+            raise MixedPrecisionError(
+                f"MixedPrecisionPolicy.{field}={dtype}: the {backend} backend cannot {what} "
+                f"{dtype} tensors (it supports {', '.join(map(str, supported))}); choose one of "
+                f"those")
+
+
+def reduce_dtype_of(policy) -> torch.dtype | None:
+    """The dtype gradients are reduced in (FSDP2: ``reduce_dtype``, else ``param_dtype``);
+    None: the gradient's own dtype."""
+    if policy is None:
+        return None
+    return policy.reduce_dtype or policy.param_dtype

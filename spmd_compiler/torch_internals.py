@@ -19,8 +19,8 @@ Two kinds of patch:
     without guards on a size being 1;
   - ``direct_op_calls``: the eager program's generated code calls each op overload's C++
     callable (``OpOverload._op``) instead of the overload's Python ``__call__``, which only
-    forwards to it (``direct_op_calls``, used by runtime.CompiledGraph).
-  - ``block_reuse``: repeated blocks are recorded once and copied (spmd_compiler/block_reuse.py,
+    forwards to it (``direct_op_calls``, used by runtime.program.CompiledGraph).
+  - ``block_reuse``: repeated blocks are recorded once and copied (spmd_compiler/trace/block_reuse.py,
     which uses make_fx's proxy slots and lazy size nodes through the functions here); also off
     with ``SPMD_NO_BLOCK_REUSE``.
 
@@ -94,7 +94,7 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
     "refuse_reentrant_checkpoint", "size_oblivious_reshape", "tag_regions", "direct_op_calls",
-    # block reuse (spmd_compiler/block_reuse.py)
+    # block reuse (spmd_compiler/trace/block_reuse.py)
     "BLOCK_REUSE_OFF_ENV", "block_reuse_enabled", "proxy_node", "bind_proxy", "untraced", "sym_node",
     "recording_into", "module_hooks",
 ]
@@ -531,13 +531,13 @@ class StepTracer(PythonKeyTracer):
 
     def __init__(self, root_module: torch.nn.Module, blocks=None):
         super().__init__()
-        self.blocks = blocks  # spmd_compiler/block_reuse.py: runs the calls of repeated blocks
+        self.blocks = blocks  # spmd_compiler/trace/block_reuse.py: runs the calls of repeated blocks
         self._paths = {}
         for name, m in root_module.named_modules(remove_duplicate=False):
             self._paths.setdefault(id(m), name)
         self._calls: dict[str, int] = {}
         self._formatted: dict[tuple, str] = {}
-        self._skip = uninteresting_files() | {os.path.join(os.path.dirname(__file__), "block_reuse.py")}
+        self._skip = uninteresting_files() | {os.path.join(os.path.dirname(__file__), "trace", "block_reuse.py")}
         self.code_seen: dict = {}  # code object on the stack of any recorded node -> its globals
 
     def call_module(self, m, forward, args, kwargs):
@@ -599,7 +599,7 @@ class StepRecorder(_MakefxTracer):
 
 
 # ---------------------------------------------------------------------------------------------
-# Block reuse (spmd_compiler/block_reuse.py): a repeated block's nodes are copied into the
+# Block reuse (spmd_compiler/trace/block_reuse.py): a repeated block's nodes are copied into the
 # recording instead of recorded again. Needs make_fx's proxy slots (which graph node a fake
 # tensor or a symbolic size stands for), a way to run fake ops without recording them, and the
 # tracer's graph swapped for a scratch graph while a block's backward is recorded once.
@@ -712,7 +712,7 @@ class InputShapeEnv(ShapeEnv):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensor parallelism (spmd_compiler/tensor_parallel.py, halo_conv.py): DTensor's internals
+# Tensor parallelism (spmd_compiler/features/tensor_parallel.py, halo_conv.py): DTensor's internals
 
 
 def dtensor_from_spec(local: torch.Tensor, spec, requires_grad: bool = False) -> torch.Tensor:

@@ -26,7 +26,7 @@ import os
 import pytest
 
 # Every compile in the tests (worker processes included: they inherit the environment) checks
-# the graph and the meta contract after each stage (spmd_compiler/pipeline.py).
+# the graph and the meta contract after each stage (spmd_compiler/build/pipeline.py).
 os.environ.setdefault("SPMD_CHECK_STAGES", "1")
 
 from tests.multirank import SelectedCases, WorkerPool, prestart_forkserver

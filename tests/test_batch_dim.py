@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 from spmd_compiler.passes.batch_dim import PlacementError, annotate_placements
 from spmd_compiler.passes.meta import PLACEMENT, REGION, ROLE, Region, Role
-from spmd_compiler.tracing import trace_step
+from spmd_compiler.trace.record import trace_step
 from tests.models import BatchDimModel, SimpleMLP, TransposedMLP, train_step
 from tests.steps import clip_norm, diff_sum, step_with, sum_step
 
@@ -685,7 +685,7 @@ class TimeMajorAttention(nn.Module):
 def attention_placement_table() -> str:
     """The forward of one nn.MultiheadAttention (T = 5, batch b, embedding 8, 2 heads), with the
     placement text the dumps print on every node."""
-    from spmd_compiler.visualize import placement_str
+    from spmd_compiler.observe.visualize import placement_str
 
     torch.manual_seed(0)
     model = TimeMajorAttention()

@@ -1,4 +1,4 @@
-"""Repeated blocks recorded once (spmd_compiler/block_reuse.py) give the graph a plain recording
+"""Repeated blocks recorded once (spmd_compiler/trace/block_reuse.py) give the graph a plain recording
 gives: the same nodes (ops, arguments, values with their symbolic sizes, roles, regions, module
 paths and source lines) in the same order. The one difference allowed: autograd stores each
 parameter's gradient (an ``aten.detach`` of it, where the parameter's ``.grad`` is bound) after
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-import spmd_compiler.block_reuse as block_reuse
+import spmd_compiler.trace.block_reuse as block_reuse
 from spmd_compiler.passes import meta
-from spmd_compiler.side_effects import SideEffectError
-from spmd_compiler.tracing import trace_step
+from spmd_compiler.trace.side_effects import SideEffectError
+from spmd_compiler.trace.record import trace_step
 from tests.steps import self_labelled, step_with
 from tests.zoo import CASES as ZOO
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_compiler import DataParallel, spmd_compile
-from spmd_compiler.consistency import RankMismatchError
+from spmd_compiler.errors import RankMismatchError
 from tests.models import SimpleMLP, train_step
 
 

@@ -221,8 +221,9 @@ def test_data_dependent_size_raises_clearly_or_matches_ddp(pool2, mode):
 
 
 def _trace(step, args, dynamic, placements: bool = True):
-    from spmd_compiler.pipeline import analyze
-    from spmd_compiler.tracing import split_step_args, trace_step
+    from spmd_compiler.build.pipeline import analyze
+    from spmd_compiler.runtime.call_args import split_step_args
+    from spmd_compiler.trace.record import trace_step
 
     sa = split_step_args(args, {}, 0)
     traced = trace_step(step, (), {}, step_args=sa, dynamic_dims=dynamic)
@@ -318,7 +319,7 @@ def test_specialization_is_reported_with_the_user_line(caplog):
 def test_dynamic_dims_option_is_checked():
     from spmd_compiler import DataParallel
     from spmd_compiler.errors import BatchDimError
-    from spmd_compiler.tracing import split_step_args
+    from spmd_compiler.runtime.call_args import split_step_args
 
     model = TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -84,7 +84,7 @@ def eager_use_job(mode: str) -> dict:
     """Compiled steps, then everything users do with a DDP/FSDP2 model between steps, then more
     compiled steps (also in eval mode: a recompile that traces the placed model); every stage
     compared with DDP. Counts the bindings made inside compiled steps and compiles (must be 0)."""
-    from spmd_compiler.eager import EagerUse, unsharded
+    from spmd_compiler.state.eager import EagerUse, unsharded
 
     rank = dist.get_rank()
     model, opt, ref, ref_opt, dp, spmd_compile = _pair(mode)
@@ -234,7 +234,7 @@ def generate_job(mode: str) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from spmd_compiler import DataParallel, spmd_compile
-    from spmd_compiler.eager import EagerUse, unsharded
+    from spmd_compiler.state.eager import EagerUse, unsharded
 
     config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32,
                         bos_token_id=0, eos_token_id=63, pad_token_id=63)
@@ -294,7 +294,7 @@ def test_hugging_face_generate_on_the_placed_model(pool2, mode):
 def one_rank_job(patience: float) -> dict:
     """fully_shard: rank 1 calls the model while rank 0 is busy elsewhere; after ``patience``
     seconds rank 1 logs why it waits; once rank 0 makes the call too both get the right result."""
-    from spmd_compiler import eager
+    from spmd_compiler.state import eager
 
     model, opt, ref, ref_opt, dp, spmd_compile = _pair("fully_shard")
     spmd_compile(dp)(mse_step)(model, opt, rank_data(700, (8, 50), (8, 8)))
@@ -324,7 +324,7 @@ def test_a_rank_waiting_alone_in_an_eager_gather_says_why(pool2):
 
 def step_inside_unsharded_job(mode: str) -> dict:
     from spmd_compiler import SPMDError
-    from spmd_compiler.eager import unsharded
+    from spmd_compiler.state.eager import unsharded
 
     model, opt, ref, ref_opt, dp, spmd_compile = _pair(mode)
     step = spmd_compile(dp)(mse_step)

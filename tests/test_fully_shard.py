@@ -228,7 +228,7 @@ def check_layout(chk: ParityChecker, where: str, model, opt) -> None:
     leading rows, and the padding rows are still zero."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from spmd_compiler.runtime import local_buffer
+    from spmd_compiler.state.placement import local_buffer
 
     ws, rank = dist.get_world_size(), dist.get_rank()
 
@@ -563,7 +563,7 @@ def _persistent_bytes(model: nn.Module, opt) -> tuple[int, int]:
     for shards), each storage counted once."""
     from torch.distributed.tensor import DTensor
 
-    from spmd_compiler.runtime import local_buffer
+    from spmd_compiler.state.placement import local_buffer
 
     seen: set[int] = set()
     total = padding = 0
@@ -693,7 +693,7 @@ def round_trip_job(path: str) -> dict:
     )
 
     from spmd_compiler import spmd_compile
-    from spmd_compiler.runtime import local_buffer
+    from spmd_compiler.state.placement import local_buffer
 
     ws = dist.get_world_size()
     make = lambda m: torch.optim.Adam(m.parameters(), lr=0.01)  # noqa: E731

@@ -521,8 +521,8 @@ def test_two_tensor_replicate(pool2, record_property):
 def test_hooks_set_later_change_the_step_key():
     """A compiled program records the hooks it saw: hooks set on a parameter afterwards make
     the step's key differ, so the next call compiles again."""
-    from spmd_compiler.api import step_key
-    from spmd_compiler.tracing import split_step_args
+    from spmd_compiler.runtime.dispatch import step_key
+    from spmd_compiler.runtime.call_args import split_step_args
 
     model = nn.Sequential(MLP(8))
     optim = torch.optim.Adam(model.parameters(), lr=LR)

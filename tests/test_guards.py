@@ -1,4 +1,4 @@
-"""Python values the step reads while it is recorded (spmd_compiler/guards.py): a change between
+"""Python values the step reads while it is recorded (spmd_compiler/trace/guards.py): a change between
 calls recompiles (logged with the value's name and the line that read it) or, for a number that
 keeps changing, becomes an input of the program; never a stale constant. Each case trains
 against DDP on a real gloo group (world size 2) and changes the value on both the compiled and
@@ -257,7 +257,7 @@ def test_module_walk_lists_what_named_members_list():
     """The step key's one walk over the model (module_walk.py) gives the modules, parameters
     and buffers, names and order of named_modules / named_parameters / named_buffers, with
     tied weights, a module used twice, a None child and a None parameter."""
-    from spmd_compiler.module_walk import walk
+    from spmd_compiler.state.module_walk import walk
     from tests.models import BatchNormMLP, TiedMLP
 
     shared = nn.Linear(4, 4)
@@ -268,7 +268,7 @@ def test_module_walk_lists_what_named_members_list():
     assert tree.modules == list(model.modules())
     assert [(n, id(p)) for n, p in tree.params] == [(n, id(p)) for n, p in model.named_parameters()]
     assert [(n, id(b)) for n, b in tree.buffers] == [(n, id(b)) for n, b in model.named_buffers()]
-    from spmd_compiler.module_walk import tensors
+    from spmd_compiler.state.module_walk import tensors
 
     assert [id(p) for p in tensors(model)] == [id(p) for p in model.parameters()]
     assert [id(b) for b in tensors(model, "_buffers")] == [id(b) for b in model.buffers()]

@@ -300,7 +300,7 @@ def test_collectives_follow_the_placements_per_mesh_dim():
     same on ranks whose groups differ, different when the layout is swapped."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from spmd_compiler.consistency import describe_graph
+    from spmd_compiler.build.program_check import describe_graph
     from spmd_compiler.passes import meta
 
     gm = _expanded(("rep_a", "shard_a"), (Replicate(), Shard(0)))

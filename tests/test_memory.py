@@ -22,11 +22,11 @@ from spmd_compiler.passes.collectives import c10d
 from spmd_compiler.passes.dependencies import step_dependencies
 from spmd_compiler.passes.expand import expand_fully_shard
 from spmd_compiler.passes.memory_plan import plan_static_memory
-from spmd_compiler.runtime import WORKSPACES
+from spmd_compiler.runtime.program import WORKSPACES
 from spmd_compiler.passes.recompute import recompute_activations, saved_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
-from spmd_compiler.tracing import trace_step
+from spmd_compiler.trace.record import trace_step
 from tests.models import mse_step
 from tests.multirank import assert_close_all, rank_data
 
@@ -295,7 +295,7 @@ def test_recording_a_fused_optimizer_allocates_no_real_state():
 def _measured_job(style: str) -> dict:
     from spmd_compiler import spmd_compile
     from spmd_compiler.api import entry_summary
-    from spmd_compiler.memory import measure_step_memory
+    from spmd_compiler.observe.memory import measure_step_memory
 
     torch.manual_seed(0)
     model = Deep(width=512, depth=4)
@@ -379,8 +379,9 @@ def test_meta_init_trains_like_the_eager_model(pool2, style):
 
 
 def _materialization_job() -> dict:
-    from spmd_compiler.memory import measure_step_memory
-    from spmd_compiler.runtime import default_mesh, place_state
+    from spmd_compiler.observe.memory import measure_step_memory
+    from spmd_compiler.runtime.dispatch import default_mesh
+    from spmd_compiler.state.placement import place_state
 
     with torch.device("meta"):
         model = Deep(width=256, depth=8)  # 8 x 256 KiB weights: 2 MiB
@@ -439,7 +440,7 @@ def _checkpoint_job(style: str, checkpoint: bool, budget) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from spmd_compiler import spmd_compile
-    from spmd_compiler.memory import measure_step_memory
+    from spmd_compiler.observe.memory import measure_step_memory
 
     torch.manual_seed(0)
     model = Residual(width=64, depth=4, checkpoint=checkpoint)

@@ -279,7 +279,7 @@ def test_identical_failures_are_shown_once(pool3):
 
 def _job_gloo_peer_address():
     # every rank reports the interface gloo was told to use (an all_gather through gloo itself)
-    from spmd_compiler.consistency import exchange_objects
+    from spmd_compiler.runtime.agreement import exchange_objects
 
     return exchange_objects(os.environ.get("GLOO_SOCKET_IFNAME"), None)
 

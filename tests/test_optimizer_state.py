@@ -1,4 +1,4 @@
-"""Adam's and AdamW's first-step state made before recording (spmd_compiler/optimizer_state.py):
+"""Adam's and AdamW's first-step state made before recording (spmd_compiler/state/optimizer_state.py):
 the first call compiles the steady program, and training matches DDP exactly for every variant;
 optimizers whose first step is not the steady step on zero state (SGD with momentum) keep the
 state-creating program; a compile that fails leaves the optimizer without state."""

@@ -241,11 +241,11 @@ def test_graph_nodes_read_no_module_state():
     """Links from a graph to the runtime are its inputs: no node of a lowered graph calls a
     Python function that reads a module global of spmd_compiler (the workspace, the per-call
     agreement); the only Python functions left in it are pure."""
-    from spmd_compiler.consistency import await_agreement
+    from spmd_compiler.runtime.agreement import await_agreement
     from spmd_compiler.passes.collectives import joined
-    from spmd_compiler.pipeline import lower
-    from spmd_compiler.runtime import WORKSPACES
-    from spmd_compiler.signature import StepSignature
+    from spmd_compiler.build.pipeline import lower
+    from spmd_compiler.runtime.program import WORKSPACES
+    from spmd_compiler.runtime.signature import StepSignature
 
     nbytes = 512 * 512 * 4  # 1 MiB each: planned
     gm = lower(_two_temporaries(512), "eager", rank_check=(await_agreement, None))

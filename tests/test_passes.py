@@ -19,7 +19,7 @@ from spmd_compiler.passes.overlap import sink_waits
 from spmd_compiler.passes.rank_check import place_rank_check
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 from spmd_compiler.passes.expand import expand_replicate
-from spmd_compiler.tracing import trace_step
+from spmd_compiler.trace.record import trace_step
 from tests.models import BatchNormMLP, SimpleMLP, train_step
 
 WORLD = 3
@@ -258,7 +258,7 @@ def test_rank_check_runs_before_any_collective_or_state_update(model):
 
 
 class _Carrier:
-    """Stands in for consistency.RankCheck: the agreement's header rides in an all_reduce."""
+    """Stands in for agreement.RankCheck: the agreement's header rides in an all_reduce."""
 
     group, length = "g", 18
 

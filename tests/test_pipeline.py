@@ -1,4 +1,4 @@
-"""The pipeline's runner (spmd_compiler/pipeline.py): the stages that apply run in the declared
+"""The pipeline's runner (spmd_compiler/build/pipeline.py): the stages that apply run in the declared
 order, each timed; SPMD_DISABLE_PASSES skips a named optional stage; a failure names its stage
 and the ones before it; the meta contract check catches a graph that breaks it. Single process:
 ``explain`` builds the program without a process group."""
@@ -10,7 +10,7 @@ import torch
 
 from spmd_compiler import DataParallel, explain
 from spmd_compiler.passes import meta
-from spmd_compiler.pipeline import CHECK_ENV, DISABLE_ENV, STAGES
+from spmd_compiler.build.pipeline import CHECK_ENV, DISABLE_ENV, STAGES
 from tests.models import IN_FEATURES, OUT_FEATURES, SimpleMLP, train_step
 
 

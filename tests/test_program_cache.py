@@ -1,4 +1,4 @@
-"""The on-disk program cache (spmd_compiler/cache.py): a second run loads what the first one
+"""The on-disk program cache (spmd_compiler/build/cache.py): a second run loads what the first one
 compiled and trains bit-identically; anything the program depends on that changed, a corrupt
 file or a stale one makes it compile again; ranks that disagree about a hit all compile.
 
@@ -210,8 +210,8 @@ def test_ranks_that_disagree_about_a_hit_all_compile(pool2, tmp_path):
 def test_key_ignores_process_specific_hashes_and_follows_values():
     """Keys are equal for equal programs in different processes (no ids, no hash() values)
     and differ when a value the trace reads differs (a module attribute)."""
-    from spmd_compiler.cache import program_key
-    from spmd_compiler.tracing import split_step_args
+    from spmd_compiler.build.cache import program_key
+    from spmd_compiler.runtime.call_args import split_step_args
 
     def key(model, attr_value):
         model.scale = attr_value
@@ -349,7 +349,7 @@ def planted_files_job(cache_dir: str) -> dict:
     import hashlib
     import pickle
 
-    from spmd_compiler import cache
+    from spmd_compiler.build import cache
 
     marker = os.path.join(cache_dir, "ran-planted-code")
     _train(train_step, _fresh(), cache_dir)
@@ -387,7 +387,7 @@ def test_planted_files_are_refused_without_running_them(pool2, tmp_path):
 def unusable_program_job(cache_dir: str) -> dict:
     """Files signed with the user's key whose program cannot be used (code that does not
     compile): ignored on every rank, compiled, rewritten; never a raw error."""
-    from spmd_compiler import cache
+    from spmd_compiler.build import cache
 
     _train(train_step, _fresh(), cache_dir)
     dist.barrier()

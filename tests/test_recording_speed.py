@@ -13,7 +13,7 @@ from torch._subclasses._fake_tensor_utils import _CacheKeyState
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.sym_node import SymNode
 
-import spmd_compiler.tracing as tracing
+import spmd_compiler.trace.record as tracing
 from spmd_compiler.torch_internals import PURE_BINARY, faster_symbolic_recording
 from tests.test_dynamic_shapes import VOCAB, TinyLM, lm_step
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spmd_compiler.consistency import exchange_objects
+from spmd_compiler.runtime.agreement import exchange_objects
 from tests.logs import messages as log_messages, spmd_log
 from tests.models import MODELS, flexible_step, mse_step, train_step
 from tests.multirank import ParityChecker, SelectedCases, assert_parity_report, rank_data

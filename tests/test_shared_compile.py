@@ -1,4 +1,4 @@
-"""One compile per job (spmd_compiler/shared_compile.py): rank 0 builds, the others receive the
+"""One compile per job (spmd_compiler/build/shared_compile.py): rank 0 builds, the others receive the
 program and train as DDP does (replicate; fully_shard on CPU compiles on every rank); a rank whose program differs (a branch on its batch size or on
 its rank) builds its own; an error while rank 0 builds reaches every rank."""
 
@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spmd_compiler import DataParallel, spmd_compile
-from spmd_compiler.consistency import RankMismatchError
+from spmd_compiler.errors import RankMismatchError
 from tests.models import SimpleMLP, train_step
 from tests.multirank import ParityChecker, rank_data
 from tests.steps import step_with

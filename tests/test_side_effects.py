@@ -105,7 +105,7 @@ def scheduler_job(how: str, style: str = "replicate") -> dict:
     scheduler stepped at the end of its eager step. Passed and only read, it is no cause for a
     rank disagreement. Stepped before the step's tensor work, it raises and is left alone."""
     from spmd_compiler import DataParallel, spmd_compile
-    from spmd_compiler.side_effects import SideEffectError
+    from spmd_compiler.trace.side_effects import SideEffectError
 
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     model, opt, ref, ref_opt = _models(sgd)
@@ -179,7 +179,7 @@ def assignments_job() -> dict:
     """An attribute and a global counted up at the end of the step count on every call; a
     hyperparameter set at its start raises and is left alone."""
     from spmd_compiler import DataParallel, spmd_compile
-    from spmd_compiler.side_effects import SideEffectError
+    from spmd_compiler.trace.side_effects import SideEffectError
 
     def counts_calls(model, opt, batch):
         loss = _plain_step(model, opt, batch)
@@ -244,7 +244,7 @@ def test_counters_count_and_a_hyperparameter_set_first_raises(pool2):
 
 def printing_job() -> dict:
     from spmd_compiler import DataParallel, spmd_compile
-    from spmd_compiler.side_effects import ValueReadWarning
+    from spmd_compiler.trace.side_effects import ValueReadWarning
 
     def prints_loss(model, opt, batch):
         loss = _plain_step(model, opt, batch)
@@ -398,7 +398,8 @@ def test_mixed_plain_and_dtensor_state_is_placed(pool2):
 def compile_line_job() -> list[str]:
     import io
 
-    from spmd_compiler import DataParallel, compile_log, spmd_compile
+    from spmd_compiler import DataParallel, spmd_compile
+    from spmd_compiler.observe import compile_log
 
     stream = io.StringIO()
     handler, compile_log._DEFAULT = compile_log._DEFAULT, logging.StreamHandler(stream)

@@ -393,8 +393,8 @@ def shown_collectives(step) -> dict:
     """How the summary, the cross-rank program description and the graph dump show the
     collectives of the last compiled graph."""
     from spmd_compiler.api import summary_text
-    from spmd_compiler.consistency import describe_graph
-    from spmd_compiler.visualize import graph_to_dot
+    from spmd_compiler.build.program_check import describe_graph
+    from spmd_compiler.observe.visualize import graph_to_dot
 
     gm = step.last_compiled.traced.gm
     return dict(summary=summary_text(step),

@@ -18,7 +18,7 @@ from torch.fx.experimental.sym_node import SymNode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from spmd_compiler import torch_internals as ti
-from spmd_compiler.tracing import trace_step
+from spmd_compiler.trace.record import trace_step
 from tests.models import IN_FEATURES, OUT_FEATURES, SimpleMLP, train_step
 
 

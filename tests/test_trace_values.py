@@ -1,4 +1,4 @@
-"""Trace-time reads of shape-only tensor values (spmd_compiler/trace_values.py), single process.
+"""Trace-time reads of shape-only tensor values (spmd_compiler/trace/trace_values.py), single process.
 
 A value computed only from sizes and constants is read at trace time (and the sizes it read are
 guarded); a value computed from the batch, a parameter or a buffer still stops the trace with a
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from spmd_compiler.errors import TraceError
-from spmd_compiler.tracing import trace_step
+from spmd_compiler.trace.record import trace_step
 from tests.steps import sum_step
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""The whole-step tracer (spmd_compiler/tracing.py), single process, no process group.
+"""The whole-step tracer (spmd_compiler/trace/record.py), single process, no process group.
 
 What the later stages rely on: placeholders in the documented order (params, buffers, optimizer
 states, lifted hyperparameters, batch leaves) with their roles, one GRAD node per parameter,
@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.meta import Region, Role
-from spmd_compiler.tracing import trace_step
+from spmd_compiler.trace.record import trace_step
 from tests.models import BatchNormMLP, SimpleMLP, TiedMLP, TransposedMLP, mse_step, train_step
 
 aten = torch.ops.aten

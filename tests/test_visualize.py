@@ -12,8 +12,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_compiler.passes.meta import BUCKET, COLLECTIVE, PARAM_FQN, PLACEMENT, REGION, ROLE, Region, Role
-from spmd_compiler import visualize
-from spmd_compiler.tracing import trace_step
+from spmd_compiler.observe import visualize
+from spmd_compiler.trace.record import trace_step
 from tests.models import SimpleMLP, train_step
 
 c10d = torch.ops._c10d_functional

@@ -159,7 +159,7 @@ def test_a_loop_over_data_dependent_experts_raises_naming_the_line():
     transformers = pytest.importorskip("transformers")
 
     from spmd_compiler.errors import TraceError
-    from spmd_compiler.tracing import trace_step
+    from spmd_compiler.trace.record import trace_step
     from tests.zoo import VOCAB, hf_step
 
     cfg = transformers.MixtralConfig(

@@ -1,0 +1,8 @@
+"""What runs on every call: ``dispatch`` (the call's key, which program runs, agreed across
+ranks), ``program`` (the compiled program bound to the live state, its
+workspaces), ``call_args`` (one call's arguments, flattened cheaply), ``signature`` (the
+contract between a built program and the runtime), ``agreement`` (every rank runs the same
+program), ``replayed`` (the step's Python statements run again after the call).
+
+May import: state, features, passes, and the bottom layer; never trace or build.
+"""

@@ -1,0 +1,496 @@
+"""Repeated blocks recorded once: the layers of a deep model are identical, so the recording of
+the step copies the first layer's nodes for the others instead of running the same Python,
+autograd and fake-tensor propagation again for each.
+
+A *block* is a submodule whose class and structure (its submodules' names and classes, its
+parameters' and buffers' names, shapes, dtypes and ``requires_grad``) occur at least twice in
+the model, outermost such (the layers of a ``ModuleList``). While the step is recorded, a call
+of a block runs through an autograd function (``_BlockCall``) keyed by everything the recording
+of the block can depend on: the block's structure, the ``training`` flag of each of its modules,
+grad and autocast state, the arguments' structure and non-tensor values, and each tensor's dtype,
+device, ``requires_grad``, symbolic sizes, strides and which arguments are the same tensor.
+
+- The first call with a key records the block as usual (its forward nodes land in the step's
+  graph), then its backward once into a scratch graph (``torch.autograd.grad`` of its outputs,
+  with gradients shaped like them): the key's *template*. The instance attributes the block's
+  modules read while recorded (a dropout's ``p``, a layer index) are kept with the template.
+- A later call with the key copies the template's forward nodes into the graph with its own
+  inputs, provided every attribute the template read has the same value (or is the same
+  object) on this block; otherwise the block is recorded as the first one was.
+- When autograd reaches a block's backward (every block, the first included) the template's
+  backward nodes are copied with that block's forward nodes and incoming gradients; autograd
+  then accumulates the returned parameter gradients as it would.
+
+The copies share the template's fake values (same shapes, dtypes and symbols) and carry the
+block's own module path in ``nn_module_stack``; the graph is the one a plain recording makes,
+block for block (tests/test_block_reuse.py compares them). Nothing is guessed: a block with
+hooks, non-plain tensors (DTensor, subclasses), non-primitive arguments, outputs that are not
+fresh tensors or an in-place update of an input is recorded plainly; a backward whose incoming
+gradients differ from the template's (a missing or strided one) abandons reuse and the whole
+step is recorded again without it (``BlockMismatch``). ``SPMD_NO_BLOCK_REUSE=1`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SPMDError
+from ..torch_internals import (
+    _reparametrize_module,
+    bind_proxy,
+    block_reuse_enabled,
+    get_proxy_mode,
+    module_hooks,
+    proxy_node,
+    pytree,
+    recording_into,
+    sym_node,
+    untraced,
+)
+
+_PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout)
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+_switched_off = False
+_TENSOR = object()  # a tensor's place among a block's output leaves
+_WRITTEN = object()  # an attribute the block set while recorded
+_aten = torch.ops.aten
+_SIZE_OF = (_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
+            _aten.sym_storage_offset.default)
+
+
+class BlockMismatch(SPMDError):
+    """A reused block's backward met gradients unlike its template's: record without reuse."""
+
+
+@contextlib.contextmanager
+def reuse_off():
+    """Record every block as it runs (after a ``BlockMismatch``)."""
+    global _switched_off
+    saved, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = saved
+
+
+def for_recording(root: torch.nn.Module) -> "BlockReuse | None":
+    """The block reuse of one recording of a step on ``root``, or None when it is off."""
+    if _switched_off or not block_reuse_enabled():
+        return None
+    reuse = BlockReuse(root)
+    return reuse if reuse.paths else None
+
+
+def _structure(m: torch.nn.Module) -> tuple:
+    return (type(m),
+            tuple((n, type(s)) for n, s in m.named_modules(remove_duplicate=False)),
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                  for n, p in m.named_parameters(remove_duplicate=False)),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(remove_duplicate=False)))
+
+
+def _size(s):
+    return s.node.expr if isinstance(s, torch.SymInt) else s
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.device, t.requires_grad, tuple(map(_size, t.shape)),
+            tuple(map(_size, t.stride())), _size(t.storage_offset()))
+
+
+def _plain(t) -> bool:
+    return type(t).__name__ == "FakeTensor" and not t.is_sparse
+
+
+@dataclass
+class _Template:
+    """One recorded block: its forward nodes (in the step's graph) and backward (scratch)."""
+
+    path: str  # module path of the block it was recorded on
+    input_nodes: list  # per flat input
+    fwd_nodes: list
+    shared: set  # nodes reading a size of a tensor from before the block: not copied
+    out_nodes: list  # per tensor output
+    out_spec: object = None
+    out_leaves: list = field(default_factory=list)  # non-tensor output leaves (_TENSOR for tensors)
+    differentiable: list = field(default_factory=list)  # per tensor output
+    reads: dict = field(default_factory=dict)  # (submodule path, attribute) -> value read
+    grad_keys: list = field(default_factory=list)  # per differentiable output
+    grad_nodes: list = field(default_factory=list)  # scratch placeholders, same order
+    bwd_nodes: list = field(default_factory=list)
+    results: list = field(default_factory=list)  # per flat input: node of its gradient or None
+    reusable: bool = True
+    dead: set = field(default_factory=set)  # size arithmetic no copy uses: not copied
+
+
+class BlockReuse:
+    """The blocks of ``root`` and their templates, for one recording."""
+
+    def __init__(self, root: torch.nn.Module):
+        groups: dict = {}
+        for path, m in root.named_modules():
+            if path and any(True for _ in m.parameters()):
+                groups.setdefault(_structure(m), []).append(path)
+        repeated = sorted(p for paths in groups.values() if len(paths) > 1 for p in paths)
+        self.paths: dict[int, str] = {}
+        for path in repeated:
+            if not any(path.startswith(outer + ".") for outer in self.paths.values()):
+                self.paths[id(root.get_submodule(path))] = path
+        self.templates: dict[tuple, _Template] = {}
+        self.inside = False
+
+    def call(self, m, forward, args, kwargs):
+        """Run the module call ``forward(*args, **kwargs)`` of ``m``, through a template when
+        ``m`` is a block (the recorder's hook on every module call)."""
+        path = self.paths.get(id(m))
+        if path is None or self.inside or not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        key, flat, names, spec = self._key(m, args, kwargs)
+        if key is None:
+            return forward(*args, **kwargs)
+        template = self.templates.get(key)
+        if template is not None and not (template.reusable and _same_reads(m, template.reads)):
+            template = None  # recorded as the first was, not copied
+        call = _Call(self, m, path, forward, args, kwargs, flat, names, spec, key, template)
+        self.inside = True
+        try:
+            outs = _BlockCall.apply(call, *flat)
+        finally:
+            self.inside = False
+        return call.unflatten(outs)
+
+    def _key(self, m, args, kwargs):
+        if any(module_hooks(s) for s in m.modules()) or torch.is_autocast_enabled():
+            return None, None, None, None
+        names = [n for n, _ in m.named_parameters()] + [n for n, _ in m.named_buffers()]
+        state = [t for _, t in m.named_parameters()] + [t for _, t in m.named_buffers()]
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not all(_plain(t) for t in state) or not all(
+                _plain(x) if isinstance(x, torch.Tensor) else type(x) in _PRIMITIVES
+                for x in leaves):
+            return None, None, None, None
+        flat, slot = list(state), {id(t): k for k, t in enumerate(state)}
+        arg_key = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                if id(x) not in slot:
+                    slot[id(x)] = len(flat)
+                    flat.append(x)
+                arg_key.append(("tensor", slot[id(x)]))
+            else:
+                arg_key.append((type(x), x))
+        key = (_structure_at_call(m), tuple(s.training for s in m.modules()),
+               spec, tuple(arg_key), tuple(_tensor_key(t) for t in flat))
+        return key, flat, names, spec
+
+
+def _structure_at_call(m) -> tuple:
+    return (type(m), tuple((n, type(s)) for n, s in m.named_modules(remove_duplicate=False)),
+            tuple(n for n, _ in m.named_parameters(remove_duplicate=False)))
+
+
+def _same_reads(m: torch.nn.Module, reads: dict) -> bool:
+    return all(_same(m.get_submodule(sub).__dict__.get(name, _same_reads), value)
+               for (sub, name), value in reads.items())
+
+
+def _same(a, b) -> bool:
+    """The same object, or equal primitives (tuples and lists of them)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) in _PRIMITIVES and a == b
+
+
+@contextlib.contextmanager
+def _reads_recorded(m: torch.nn.Module, reads: dict):
+    """Record into ``reads`` the first value of every instance attribute the modules of ``m``
+    read (not parameters, buffers, submodules or hooks); an attribute they set is recorded as
+    ``_WRITTEN`` (such a block is not copied: a copy would not set it)."""
+    owners = {id(s): path for path, s in m.named_modules(remove_duplicate=False)}
+    patched = []
+    for cls in {type(s) for s in m.modules()}:
+        own = {k: cls.__dict__.get(k) for k in ("__getattribute__", "__setattr__")}
+        get, put = cls.__getattribute__, cls.__setattr__
+
+        def recording(self, name, _get=get):
+            value = _get(self, name)
+            path = owners.get(id(self))
+            if path is not None and (path, name) not in reads and name not in _MODULE_INTERNALS \
+                    and name in object.__getattribute__(self, "__dict__"):
+                reads[(path, name)] = value
+            return value
+
+        def setting(self, name, value, _put=put):
+            if id(self) in owners:
+                reads[(owners[id(self)], name)] = _WRITTEN
+            _put(self, name, value)
+
+        cls.__getattribute__, cls.__setattr__ = recording, setting
+        patched.append((cls, own))
+    try:
+        yield
+    finally:
+        for cls, own in patched:
+            for k, v in own.items():
+                if v is None:
+                    delattr(cls, k)
+                else:
+                    setattr(cls, k, v)
+
+
+class _Call:
+    """One call of a block: records its template or copies one."""
+
+    def __init__(self, reuse, m, path, forward, args, kwargs, flat, names, spec, key, template):
+        self.reuse, self.m, self.path, self.forward = reuse, m, path, forward
+        self.args, self.kwargs, self.flat, self.names, self.spec = args, kwargs, flat, names, spec
+        self.key, self.template = key, template
+        self.tracer = get_proxy_mode().tracer
+        self.env: dict = {}
+        self.inner = None
+
+    # forward ------------------------------------------------------------------------------
+
+    def run_forward(self, flat):
+        if self.template is None:
+            return self._record(flat)
+        return self._copy_forward(flat)
+
+    def _record(self, flat):
+        tracer, graph = self.tracer, self.tracer.graph
+        mark = next(iter(reversed(graph.nodes)))
+        with untraced():
+            leaves = [x.detach().requires_grad_(x.requires_grad) for x in flat]
+        for leaf, x in zip(leaves, flat):
+            bind_proxy(leaf, tracer, proxy_node(x, tracer), like=x)
+        alias = {id(x): leaf for x, leaf in zip(flat, leaves)}
+        state = dict(zip(self.names, leaves))
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: alias[id(x)],
+                                            (self.args, self.kwargs))
+        reads: dict = {}
+        with torch.enable_grad(), _reparametrize_module(self.m, state, strict=False), \
+                _reads_recorded(self.m, reads):
+            out = self.forward(*args, **kwargs)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        fwd_nodes = []
+        node = mark.next
+        while node.op != "root":
+            fwd_nodes.append(node)
+            node = node.next
+        outs = [o for o in out_leaves if isinstance(o, torch.Tensor)]
+        t = _Template(self.path, [proxy_node(x, tracer) for x in flat], fwd_nodes, set(),
+                      [proxy_node(o, tracer) for o in outs], out_spec,
+                      [_TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves],
+                      [o.requires_grad for o in outs], reads)
+        t.reusable = self._checked_forward(t, outs, out_leaves) and _WRITTEN not in reads.values()
+        if t.reusable:
+            self._record_backward(t, leaves, outs)
+        if self.key not in self.reuse.templates:
+            self.reuse.templates[self.key] = t
+        self.template = t
+        self.inner = (leaves, outs)  # a block that cannot be copied: its own backward
+        self.env = {n: n for n in t.input_nodes + t.fwd_nodes}
+        return self._outputs(t)
+
+    def _checked_forward(self, t: _Template, outs, out_leaves) -> bool:
+        inside = set(t.fwd_nodes) | set(t.input_nodes)
+        if not all(type(o) in _PRIMITIVES for o in out_leaves if not isinstance(o, torch.Tensor)):
+            return False
+        if not all(n in set(t.fwd_nodes) for n in t.out_nodes) or len(set(t.out_nodes)) != len(outs):
+            return False
+        if any(not _plain(o) for o in outs):
+            return False
+        for n in t.fwd_nodes:
+            if n.op != "call_function" or _writes_input(n, t.input_nodes):
+                return False
+            deps = n.all_input_nodes
+            if not all(a in inside or _outside_ok(a) for a in deps):
+                return False
+            if n.target in _SIZE_OF and n.args[0] not in inside:
+                t.shared.add(n)  # a size of a tensor from before the block: made once
+        return True
+
+    def _record_backward(self, t: _Template, leaves, outs) -> None:
+        tracer = self.tracer
+        scratch = torch.fx.Graph()
+        diff = [o for o, d in zip(outs, t.differentiable) if d]
+        with untraced():
+            grads = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+                     for o in diff]
+        for k, g in enumerate(grads):
+            ph = scratch.placeholder(f"grad_{k}")
+            ph.meta["val"] = g
+            bind_proxy(g, tracer, ph)
+            t.grad_nodes.append(ph)
+            t.grad_keys.append(_tensor_key(g)[:1] + _tensor_key(g)[3:])
+        wrt = [leaf for leaf in leaves if leaf.requires_grad]
+        with recording_into(tracer, scratch):
+            got = iter(torch.autograd.grad(diff, wrt, grads, retain_graph=True,
+                                           allow_unused=True) if diff and wrt else [None] * len(wrt))
+            results = [next(got) if leaf.requires_grad else None for leaf in leaves]
+            t.results = [None if r is None else proxy_node(r, tracer) for r in results]
+        t.bwd_nodes = [n for n in scratch.nodes if n.op != "placeholder"]
+        inside = set(t.fwd_nodes) | set(t.input_nodes) | set(scratch.nodes)
+        for n in t.bwd_nodes:
+            if n.target in _SIZE_OF and n.args[0] not in inside:
+                t.shared.add(n)  # a size of a tensor from before the block
+            elif n.op != "call_function" or _writes_input(n, t.input_nodes) or not all(
+                    a in inside or _outside_ok(a) for a in n.all_input_nodes):
+                t.reusable = False
+        t.dead = _dead_sizes(t)
+        for n in scratch.nodes:  # the step's nodes do not list scratch nodes among their users
+            for a in n.all_input_nodes:
+                if a.graph is not scratch:
+                    a.users.pop(n, None)
+
+    def _copy_forward(self, flat):
+        t, graph = self.template, self.tracer.graph
+        env = self.env = dict(zip(t.input_nodes, (proxy_node(x, self.tracer) for x in flat)))
+        stacks: dict = {}
+        for n in t.fwd_nodes:
+            if n in t.shared or n in t.dead:
+                continue
+            env[n] = self._copy(graph, n, env, stacks)
+        return self._outputs(t)
+
+    def _copy(self, graph, n, env, stacks, stack_trace=None, module_stack=None):
+        args, kwargs = torch.fx.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
+        new = graph.create_node(n.op, n.target, args, kwargs)
+        new.meta = dict(n.meta)
+        new.meta.pop("REGION", None)
+        new.meta.pop("region", None)
+        if stack_trace is not None:
+            new.meta["stack_trace"] = stack_trace
+            new.meta.pop("nn_module_stack", None)
+            if module_stack:
+                new.meta["nn_module_stack"] = dict(module_stack)
+        elif "nn_module_stack" in n.meta:
+            stack = n.meta["nn_module_stack"]
+            if id(stack) not in stacks:
+                stacks[id(stack)] = self._moved_stack(stack)
+            new.meta["nn_module_stack"] = stacks[id(stack)]
+        return new
+
+    def _moved_stack(self, stack: dict) -> dict:
+        old, new = self.template.path, self.path
+
+        def moved(s):
+            return new + s[len(old):] if s == old or s.startswith(old + ".") else s
+
+        return {moved(k): (moved(p), ty) for k, (p, ty) in stack.items()}
+
+    def _outputs(self, t: _Template):
+        outs = []
+        for n in t.out_nodes:
+            v = n.meta["val"]
+            with untraced():
+                o = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+            bind_proxy(o, self.tracer, self.env.get(n, n))
+            outs.append(o)
+        return outs
+
+    def unflatten(self, outs):
+        t = self.template
+        outs = iter(outs)
+        leaves = [next(outs) if v is _TENSOR else v for v in t.out_leaves]
+        return pytree.tree_unflatten(leaves, t.out_spec)
+
+    # backward -----------------------------------------------------------------------------
+
+    def run_backward(self, grads):
+        t = self.template
+        if not t.reusable:  # recorded as autograd would
+            leaves, outs = self.inner
+            wrt = [leaf for leaf in leaves if leaf.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+            got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                           allow_unused=True) if pairs and wrt else [None] * len(wrt))
+            return [next(got) if leaf.requires_grad else None for leaf in leaves]
+        used = [g for g, d in zip(grads, t.differentiable) if d]
+        if any(g is not None for g, d in zip(grads, t.differentiable) if not d) or any(
+                g is None or _tensor_key(g)[:1] + _tensor_key(g)[3:] != k
+                for g, k in zip(used, t.grad_keys)):
+            raise BlockMismatch(f"the gradients reaching block {self.path} differ from its "
+                                f"template's")
+        tracer = self.tracer
+        env = dict(self.env)
+        env.update(zip(t.grad_nodes, (proxy_node(g, tracer) for g in used)))
+        where = tracer._stack_trace(sys._getframe(1))
+        for n in t.bwd_nodes:
+            if n in t.dead:
+                continue
+            if n in t.shared:  # the size's node in the step's graph (made when first used)
+                env[n] = sym_node(n.meta["val"], tracer)
+                continue
+            env[n] = self._copy(tracer.graph, n, env, {}, where or "", tracer.module_stack)
+        out = []
+        for n in t.results:
+            if n is None:
+                out.append(None)
+                continue
+            v = n.meta["val"]
+            with untraced():
+                g = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+            bind_proxy(g, tracer, env.get(n, n))
+            out.append(g)
+        return out
+
+
+def _is_sym(n) -> bool:
+    return isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _dead_sizes(t: _Template) -> set:
+    """The template's size computations that nothing in a copy would use: make_fx's dead code
+    elimination removes them from the step's graph (its rule: pure symbolic arithmetic and size
+    reads without users), so a copy leaves them out rather than make and lose them."""
+    nodes = t.fwd_nodes + t.bwd_nodes
+    own, keep = set(nodes), set(t.out_nodes) | {n for n in t.results if n is not None}
+    dead: set = set()
+    for n in reversed(nodes):
+        removable = _is_sym(n) and not n.is_impure() and (
+            n.target in _SIZE_OF or all(_is_sym(a) for a in n.all_input_nodes))
+        if removable and n not in keep and all(u in dead for u in n.users if u in own):
+            dead.add(n)
+    return dead
+
+
+def _outside_ok(a) -> bool:
+    """A node from before the block that a copy may use as it is: a size or a constant."""
+    return a.op == "get_attr" or _is_sym(a)
+
+
+def _writes_input(n, inputs) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return False
+    for arg, value in zip(schema.arguments, n.args):
+        if arg.alias_info is not None and arg.alias_info.is_write and value in inputs:
+            return True
+    return any(arg.alias_info is not None and arg.alias_info.is_write
+               and n.kwargs.get(arg.name) in inputs for arg in schema.arguments)
+
+
+class _BlockCall(torch.autograd.Function):
+    """A block's call as one autograd node (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, call, *flat):
+        ctx.set_materialize_grads(False)
+        ctx.call = call
+        outs = call.run_forward(flat)
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, call.template.differentiable)
+                                      if not d))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *ctx.call.run_backward(grads))

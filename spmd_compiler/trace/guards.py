@@ -1,0 +1,515 @@
+"""Guards on the Python values a recorded step read: a compiled program holds every plain Python
+value the recording read (a submodule's ``Dropout.p``, a temperature attribute, a global loss
+weight, a closure variable, an attribute of a bound-method step's instance, an optimizer's
+``momentum``) as a constant, so it is valid only while those values are unchanged.
+
+**What is guarded.** After the recording, the code that ran is known: every code object on the
+stack of a recorded op (``tracing._StepTracer``), with its globals, extended by what those can
+call by name (functions in their globals and closures, methods of the objects below, nested
+code). The names this code reads (``co_names``) select, among
+
+- the attributes of the model's submodules, of a bound-method step's instance (``self``), and of
+  the objects and Python modules reached below;
+- the globals of the user's code (not torch's, not the standard library's), and the closure
+  cells of the step and of the functions it reaches;
+- every entry of the optimizers' ``param_groups`` but ``params`` and the lifted learning rate,
+
+the plain values (but names the code that ran assigns: state the step writes, which
+spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enum members and tuples of them (and those of a
+plain dict reached so, under a string key the user's code names). Each is a
+``ValueGuard``: its name as the user would write it, a path from the step's roots to it (valid
+in another process: the disk cache checks stored programs with the same guards), the value at
+recording and the line that read it. Objects and modules along the way are followed three
+levels deep; a container replaced after the compile (a global rebound to another object) is
+not noticed, only the values inside the one that was read.
+
+**Checked** on every call with the program's other guards (``runtime.program.CompiledGraph.guards_hold``):
+a dict lookup and an equality per guard. A change recompiles (logged on the ``spmd_compiler``
+logger with the name, the old and new value and the reading line) and, when the value is a
+number, the recompile records it as a program input instead (a symbolic number, passed on every
+call, as the learning rate): a counter compiles twice, never once per call. A number the step
+uses where it must be a constant (a size, a branch) is kept as a constant and guarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import functools
+import logging
+import os
+import sys
+import sysconfig
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..runtime.dispatch import is_plain
+
+_MISSING = object()
+_MAX_DEPTH = 3
+# module attributes that are structure (in the step's static key) or bookkeeping, not values
+_SKIPPED_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training", "_spmd_eager"})
+_NUMBERS = (int, float)
+
+
+@dataclass(frozen=True)
+class ValueGuard:
+    """One Python value a program depends on (see the module docstring)."""
+
+    name: str  # as the user writes it: "model.drop.p", "train.LOSS_WEIGHT"
+    path: tuple  # root and steps to the value (``slot``); picklable, process-independent
+    value: Any  # at recording
+    where: str  # the line that read it
+    lifted: bool = False  # a program input: its value is passed on every call, not compared
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
+    paths = sysconfig.get_paths()
+    return tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), here,
+                                                paths["stdlib"], paths["platstdlib"]))
+
+
+def is_user_file(filename: str) -> bool:
+    """Code outside torch, this package and the standard library."""
+    return not filename.startswith("<") and not filename.startswith(_library_dirs())
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths: ("model",) / ("self",) / ("fn",) / ("optimizer", k) / ("global", module name) roots,
+# then steps ("sub", submodule path), ("attr", name), ("item", key), ("group", index),
+# ("cell", free variable name).
+
+
+class _Cell:
+    """A closure cell as a one-entry mapping (the guards read every value with ``get``)."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell):
+        self.cell = cell
+
+    def get(self, _key, default=_MISSING):
+        try:
+            return self.cell.cell_contents
+        except ValueError:
+            return default
+
+    def __setitem__(self, _key, value):
+        self.cell.cell_contents = value
+
+
+def step_roots(fn: Callable, sa) -> dict:
+    """The objects guard paths start from: the model, the optimizers, the step function and its
+    instance (a bound-method step)."""
+    fn = _unwrap(fn)
+    roots = {("model",): sa.module, ("fn",): getattr(fn, "__func__", fn)}
+    if isinstance(fn, types.MethodType):
+        roots[("self",)] = fn.__self__
+    elif not isinstance(fn, types.FunctionType) and hasattr(fn, "__dict__"):
+        roots[("self",)] = fn  # a callable object: its __call__ reads its attributes
+    for k, opt in enumerate(sa.optimizers):
+        roots[("optimizer", k)] = opt
+    return roots
+
+
+def _unwrap(fn: Callable) -> Callable:
+    while hasattr(fn, "__wrapped__") and not isinstance(fn, types.MethodType):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _root(head: tuple, roots: dict):
+    if head[0] == "global":
+        module = sys.modules.get(head[1])
+        if module is None:
+            raise LookupError(f"module {head[1]} is not imported")
+        return vars(module)
+    return roots[head]
+
+
+def _step(obj, step: tuple):
+    kind, arg = step
+    if kind == "sub":
+        return obj.get_submodule(arg)
+    if kind == "group":
+        return obj.param_groups[arg]
+    if kind == "cell":
+        return _Cell(obj.__closure__[obj.__code__.co_freevars.index(arg)])
+    raise LookupError(f"unknown step {step}")
+
+
+def slot(path: tuple, roots: dict):
+    """(mapping, key) holding the value at ``path``: ``mapping.get(key)`` reads it."""
+    head, steps = path[0], path[1:]
+    obj = _root(head, roots)
+    for step in steps[:-1]:
+        if step[0] in ("attr", "item"):
+            obj = (obj if step[0] == "item" or isinstance(obj, dict) else vars(obj))[step[1]]
+        elif step[0] == "cell":
+            obj = _step(obj, step).get(None)
+            if obj is _MISSING:
+                raise LookupError(f"empty closure cell {step[1]}")
+        else:
+            obj = _step(obj, step)
+    last = steps[-1]
+    if last[0] == "cell":
+        return _step(obj, last), None
+    if last[0] == "item" or isinstance(obj, dict):
+        return obj, last[1]
+    return vars(obj), last[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking
+
+
+class ValueGuards:
+    """A program's guards bound to the live objects of the step they were recorded for."""
+
+    def __init__(self, guards: Iterable[ValueGuard], roots: dict):
+        self.guards = list(guards)
+        checked, lifted = [], []
+        for g in self.guards:
+            try:
+                mapping, key = slot(g.path, roots)
+            except (LookupError, AttributeError, TypeError, ValueError, IndexError):
+                mapping, key = {}, None  # gone: the guard fails (a lifted value reads None)
+            (lifted if g.lifted else checked).append((mapping, key, g.value))
+        self._checked = checked
+        self._lifted = [(m, k) for m, k, _ in lifted]
+        self.has_lifted = bool(lifted)
+        self.hold = _checker(checked)
+
+    def lifted_values(self) -> list:
+        """The current values of the program's lifted inputs, in placeholder order."""
+        return [mapping.get(key) for mapping, key in self._lifted]
+
+    def changed(self) -> list[tuple[ValueGuard, Any]]:
+        """(guard, current value) of every guard that fails."""
+        out = []
+        for g, (mapping, key, value) in zip([g for g in self.guards if not g.lifted], self._checked):
+            now = mapping.get(key, _MISSING)
+            if now is not value and (now != value or type(now) is not type(value)):
+                out.append((g, "<missing>" if now is _MISSING else now))
+        return out
+
+
+def _checker(checked: list[tuple]) -> Callable[[], bool]:
+    """``hold()``: is every value the program holds as a constant unchanged? One generated
+    expression (a lookup, an identity test and, only when that fails, a type and equality test
+    per guard): about half the time of a loop over the guards."""
+    if not checked:
+        return lambda: True
+    namespace: dict[str, Any] = {"_M": _MISSING}
+    terms = []
+    for i, (mapping, key, value) in enumerate(checked):
+        namespace.update({f"m{i}": mapping.get, f"k{i}": key, f"v{i}": value, f"t{i}": type(value)})
+        terms.append(f"((x := m{i}(k{i}, _M)) is v{i} or (type(x) is t{i} and x == v{i}))")
+    exec(compile("def hold():\n    return bool(" + "\n        and ".join(terms) + ")",
+                 "<spmd_compiler value guards>", "exec"), namespace)
+    return namespace["hold"]
+
+
+def describe_changes(changes: list[tuple[ValueGuard, Any]]) -> str:
+    return "; ".join(f"{g.name} changed {g.value!r} -> {now!r} (read at {g.where})"
+                     for g, now in changes)
+
+
+class LiftPolicy:
+    """Which numbers a step's next recording takes as program inputs: those whose guard failed
+    (a value that changed once may change again), unless a recording had to keep them constant."""
+
+    def __init__(self):
+        self.lift: list[tuple] = []
+        self.constant: set[tuple] = set()
+
+    def recompiled_for(self, changes: list[tuple[ValueGuard, Any]]) -> None:
+        for g, now in changes:
+            numbers = all(isinstance(v, _NUMBERS) and not isinstance(v, bool) for v in (g.value, now))
+            if numbers and g.path not in self.constant and g.path not in self.lift:
+                self.lift.append(g.path)
+
+    def keep_constant(self, paths: Iterable[tuple]) -> None:
+        for p in paths:
+            self.constant.add(p)
+            if p in self.lift:
+                self.lift.remove(p)
+
+
+def lifted_numbers(paths: Iterable[tuple], roots: dict) -> list:
+    """The current values at ``paths``; LookupError unless each is an int or a float."""
+    out = []
+    for p in paths:
+        mapping, key = slot(p, roots)
+        v = mapping.get(key, _MISSING)
+        if not isinstance(v, _NUMBERS) or isinstance(v, bool):
+            raise LookupError(f"{_name_of(p)} is no longer a number")
+        out.append(v)
+    return out
+
+
+def specialized_lifts(traced) -> list[tuple]:
+    """Paths of the lifted numbers that the recording used as constants after all (it guarded
+    their symbol: a size, a branch, a float argument): the program compares them instead."""
+    lifted = [g.path for g in traced.value_guards if g.lifted]
+    first = traced.num_hparams - len(lifted)
+    return [lifted[i - first] for i, _ in traced.specialized_hparams if i >= first]
+
+
+@contextlib.contextmanager
+def substituted(paths: list[tuple], roots: dict, values: list):
+    """While recording: the value at each of ``paths`` is the symbolic number in ``values``."""
+    slots = [slot(p, roots) for p in paths]
+    saved = [mapping.get(key, _MISSING) for mapping, key in slots]
+    try:
+        for (mapping, key), v in zip(slots, values):
+            mapping[key] = v
+        yield
+    finally:
+        for (mapping, key), v in zip(slots, saved):
+            if v is not _MISSING:
+                mapping[key] = v
+
+
+# ---------------------------------------------------------------------------------------------
+# Collecting
+
+
+def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = ()) -> tuple[list[ValueGuard], list[str]]:
+    """The guards of a recording of ``fn`` on ``sa`` whose stacks held ``codes`` (code object
+    -> its globals), the ``lifted`` paths first (in order, as program inputs); and the source
+    files of every code it considered."""
+    roots = step_roots(fn, sa)
+    outer, frame = set(), sys._getframe(1)
+    while frame is not None:  # the caller's code, on every recorded stack, read nothing inside
+        outer.add(frame.f_code)
+        frame = frame.f_back
+    c = _Collector({code: g for code, g in codes.items() if code not in outer}, roots)
+    for _ in range(3):  # methods and functions found in values name more code
+        before = len(c.codes)
+        c.expand()
+        c.walk(sa, lifted)
+        if len(c.codes) == before:
+            break
+    out = []
+    for p in lifted:
+        mapping, key = slot(p, roots)
+        g = c.guards.get(p)
+        out.append(ValueGuard(g.name if g else _name_of(p), p, mapping.get(key), g.where if g else "?",
+                              lifted=True))
+    out += [g for p, g in c.guards.items() if p not in lifted]
+    return out, sorted({code.co_filename for code in c.codes if not code.co_filename.startswith("<")})
+
+
+def _name_of(path: tuple) -> str:
+    return ".".join(str(s[-1]) for s in path)
+
+
+class _Collector:
+    def __init__(self, codes: dict, roots: dict):
+        self.codes = dict(codes)
+        self.roots = roots
+        self.guards: dict[tuple, ValueGuard] = {}
+        self.names: set[str] = set()
+        self.stored: set[str] = set()
+        self._seen_objects: set[int] = set()
+        self._done_codes: set = set()
+        self._model_modules = {id(m) for m in roots[("model",)].modules()}
+        fn = roots[("fn",)]
+        if not isinstance(fn, types.FunctionType):
+            fn = getattr(type(fn), "__call__", None)
+        if isinstance(fn, types.FunctionType):
+            self.codes.setdefault(fn.__code__, fn.__globals__)
+        self.keys: set[str] = set()  # string constants of the user's code: dict keys it reads
+
+    def expand(self) -> None:
+        """Add nested code and the user functions that user code can call by a global name."""
+        todo = [c for c in self.codes if c not in self._done_codes]
+        while todo:
+            code = todo.pop()
+            self._done_codes.add(code)
+            g = self.codes[code]
+            if not is_user_file(code.co_filename):
+                continue
+            for const in code.co_consts:
+                if isinstance(const, types.CodeType) and const not in self.codes:
+                    self.codes[const] = g
+                    todo.append(const)
+            for n in code.co_names:
+                f = g.get(n)
+                if isinstance(f, types.FunctionType) and f.__code__ not in self.codes:
+                    self.codes[f.__code__] = f.__globals__
+                    todo.append(f.__code__)
+        self.names = set().union(*(c.co_names for c in self.codes))
+        # names the code that ran assigns (self.n += 1, global n): state the step writes, which
+        # spmd_compiler/trace/side_effects.py replays after each call; not a constant to guard
+        self.stored = set().union(*(_stored_names(c) for c in self.codes))
+        self.keys = {k for c in self.codes if is_user_file(c.co_filename)
+                     for k in c.co_consts if isinstance(k, str)}
+
+    def walk(self, sa, lifted) -> None:
+        self._seen_objects.clear()
+        for path, m in sa.module.named_modules(remove_duplicate=False):
+            head = (("model",), ("sub", path)) if path else (("model",),)
+            self._object(m, "model" + (f".{path}" if path else ""), head, 1, module=True)
+        if ("self",) in self.roots:
+            self._object(self.roots[("self",)], "self", (("self",),), 1)
+        fn = self.roots[("fn",)]
+        if isinstance(fn, types.FunctionType):
+            self._closure(fn, fn.__qualname__, (("fn",),), 1)
+        for k, opt in enumerate(sa.optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                for key, v in group.items():
+                    if key not in ("params", "lr") and is_plain(v):
+                        self._add(f"optimizer {k} param_groups[{gi}][{key!r}]",
+                                  (("optimizer", k), ("group", gi), ("item", key)), v, key,
+                                  where=f"{type(opt).__qualname__}.step()")
+        for code, g in list(self.codes.items()):
+            if not is_user_file(code.co_filename):
+                continue
+            module = g.get("__name__")
+            if not isinstance(module, str) or getattr(sys.modules.get(module), "__dict__", None) is not g:
+                continue
+            for n in code.co_names:
+                if n in g:
+                    self._value(g[n], f"{module}.{n}", (("global", module), ("item", n)), 1, n)
+
+    def _value(self, v, name: str, path: tuple, depth: int, attr: str) -> None:
+        if is_plain(v):
+            self._add(name, path, v, attr)
+        elif depth < _MAX_DEPTH and not isinstance(v, (torch.Tensor, type)):
+            if isinstance(v, types.FunctionType):
+                self._closure(v, name, path, depth + 1)
+            elif isinstance(v, types.ModuleType):
+                if is_user_file(getattr(v, "__file__", None) or "<"):
+                    self._object(v, name, path, depth + 1)
+            elif isinstance(v, torch.nn.Module) and id(v) in self._model_modules:
+                pass  # walked as part of the model
+            elif type(v) is dict and len(v) <= 256:  # a config dict read by key
+                for k in self.keys.intersection(k for k in v if isinstance(k, str)):
+                    self._value(v[k], f"{name}[{k!r}]", path + (("item", k),), depth + 1, k)
+            elif hasattr(v, "__dict__") and not isinstance(v, (torch.optim.Optimizer, types.MethodType)) \
+                    and not type(v).__module__.startswith(__package__):  # (a compiled step)
+                self._object(v, name, path, depth + 1, module=isinstance(v, torch.nn.Module))
+
+    def _object(self, obj, name: str, path: tuple, depth: int, module: bool = False) -> None:
+        if id(obj) in self._seen_objects:
+            return
+        self._seen_objects.add(id(obj))
+        attrs = vars(obj)
+        for n in self.names.intersection(attrs):
+            if n in _SKIPPED_ATTRS or (module and "hook" in n):
+                continue
+            self._value(attrs[n], f"{name}.{n}", path + (("attr", n),), depth, n)
+        if not isinstance(obj, types.ModuleType):
+            for f in _user_methods(type(obj), self.names):
+                self.codes.setdefault(f.__code__, f.__globals__)
+
+    def _closure(self, f: types.FunctionType, name: str, path: tuple, depth: int) -> None:
+        if not is_user_file(f.__code__.co_filename):
+            return
+        self.codes.setdefault(f.__code__, f.__globals__)
+        for var, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
+            value = _Cell(cell).get(None)
+            if value is not _MISSING:
+                self._value(value, f"{name}.<closure {var}>", path + (("cell", var),), depth, var)
+
+    def _add(self, name: str, path: tuple, value, attr: str, where: str | None = None) -> None:
+        if path[0][0] != "optimizer" and attr in self.stored:
+            return
+        if path not in self.guards:
+            self.guards[path] = ValueGuard(name, path, value, where or self._where(attr))
+
+    def _where(self, attr: str) -> str:
+        readers = [c for c in self.codes
+                   if attr in c.co_names or attr in c.co_freevars or attr in c.co_consts]
+        readers.sort(key=lambda c: not is_user_file(c.co_filename))
+        for code in readers[:1]:
+            line = _line_reading(code, attr)
+            return f'File "{code.co_filename}", line {line}, in {code.co_name}'
+        return "<unknown location>"
+
+
+def _user_methods(cls: type, names: set[str]) -> list[types.FunctionType]:
+    """The functions of ``cls``'s own (user-written) classes named in ``names``."""
+    out = []
+    for klass in cls.__mro__:
+        if not is_user_file(getattr(sys.modules.get(klass.__module__), "__file__", None) or "<"):
+            continue
+        for n in names.intersection(vars(klass)):
+            f = vars(klass)[n]
+            f = f.__func__ if isinstance(f, (staticmethod, classmethod)) else f
+            if isinstance(f, types.FunctionType):
+                out.append(f)
+    return out
+
+
+@functools.lru_cache(maxsize=16384)
+def _stored_names(code: types.CodeType) -> frozenset:
+    """The attribute, global and closure names ``code`` assigns."""
+    return frozenset(ins.argval for ins in dis.get_instructions(code)
+                     if ins.opname in ("STORE_ATTR", "STORE_GLOBAL", "STORE_DEREF"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _line_reading(code: types.CodeType, name: str) -> int:
+    line = code.co_firstlineno
+    for ins in dis.get_instructions(code):
+        if ins.positions and ins.positions.lineno:
+            line = ins.positions.lineno
+        if ins.argval == name and ins.opname.startswith(("LOAD", "STORE_ATTR")):
+            return line
+    return code.co_firstlineno
+
+
+def describe_paths(paths: Iterable[tuple]) -> list[str]:
+    return [_name_of(p) for p in paths]
+
+
+def record_lifting(policy: LiftPolicy | None, record: Callable[[list], Any]):
+    """``record(lift)`` with the numbers ``policy`` lifts as inputs; if that recording fails,
+    again with them as constants (kept so by the policy from then on). A lifted number the
+    recording guarded on (a size, a branch, a float argument) is recorded again as a constant
+    too: the graph's guard expression cannot name a lifted input."""
+    from ..errors import SPMDError
+
+    lift = list(policy.lift) if policy is not None else []
+    try:
+        traced = record(lift)
+    except (SPMDError, LookupError) as e:
+        if not lift:
+            raise
+        logging.getLogger("spmd_compiler").info(
+            "spmd_compiler: recording with %s as inputs failed (%s); recording them as constants",
+            ", ".join(describe_paths(lift)), str(e).splitlines()[0] if str(e) else type(e).__name__)
+        policy.keep_constant(lift)
+        return record([])
+    constant = specialized_lifts(traced) if lift else []
+    if constant:
+        policy.keep_constant(constant)
+        return record(list(policy.lift))
+    return traced
+
+
+def bind(traced, fn: Callable, sa) -> ValueGuards:
+    """The value guards of a recording (``traced.value_guards``) bound to the live objects of
+    the call ``fn`` was compiled for."""
+    return ValueGuards(traced.value_guards, step_roots(fn, sa))
+
+
+def recompile_reason(programs: list, key: tuple, policy: LiftPolicy) -> str | None:
+    """Which Python values read by the newest of ``programs`` (runtime.program.CompiledGraph) for the
+    static ``key`` changed, for the log; the numbers among them are lifted by ``policy`` from
+    the next recording on."""
+    for entry in reversed(programs):
+        if entry.static_key == key and entry.values is not None:
+            changes = entry.values.changed()
+            if changes:
+                policy.recompiled_for(changes)
+                return describe_changes(changes)
+    return None
