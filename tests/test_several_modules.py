@@ -13,6 +13,7 @@ Tolerances (float32 round-off): ``|actual - expected| <= ATOL + RTOL * |expected
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import traceback
 
@@ -153,6 +154,19 @@ def distill_step(student, teacher, opt, batch, temperature=2.0):
     loss.backward()
     opt.step()
     return loss.detach()
+
+
+@dataclasses.dataclass
+class Distillation:
+    """What a distillation step needs besides its student: a dataclass argument."""
+
+    teacher: nn.Module
+    temperature: float = 2.0
+
+
+def distill_dataclass_step(student, opt, batch, kd):
+    """Distillation with the frozen teacher in a dataclass argument."""
+    return distill_step(student, kd.teacher, opt, batch, kd.temperature)
 
 
 def autoencoder_step(encoder, decoder, opt, x):
@@ -304,6 +318,20 @@ def _pair_data(i):
     return rank_data(40 + i, (BATCH, 8), (BATCH, 8))
 
 
+def _distill_dataclass(style: str) -> dict:
+    torch.manual_seed(0)
+    student = _mlp(8, 16, 5)
+    teacher = _teacher(student)
+    ref, ref_teacher = copy.deepcopy(student), copy.deepcopy(teacher)
+    opt, ref_opt = _adam(student), _adam(ref)
+    kd, ref_kd = Distillation(teacher), Distillation(ref_teacher)
+    wrapped = _ddp(ref)
+    return dict(step=distill_dataclass_step, args=lambda b: (student, opt, b, kd),
+                ref_args=lambda b: (wrapped, ref_opt, b, ref_kd), data=_class_data,
+                modules={"student": (student, ref), "kd.teacher": (teacher, ref_teacher)},
+                optimizers=[(opt, ref_opt)])
+
+
 def _autoencoder(style: str) -> dict:
     torch.manual_seed(0)
     enc, dec = _mlp(8, 16, 3), _mlp(3, 16, 8)
@@ -313,6 +341,36 @@ def _autoencoder(style: str) -> dict:
     return dict(step=autoencoder_step, args=lambda b: (enc, dec, opt, b),
                 ref_args=lambda b: (*wrapped, ref_opt, b),
                 data=lambda i: rank_data(60 + i, (BATCH, 8)),
+                modules={"encoder": (enc, ref_enc), "decoder": (dec, ref_dec)},
+                optimizers=[(opt, ref_opt)])
+
+
+class _Half(nn.Module):
+    """One half of an autoencoder: its own layer around a layer shared with the other half."""
+
+    def __init__(self, width_in: int, shared: nn.Linear, width_out: int):
+        super().__init__()
+        self.inp, self.shared, self.out = nn.Linear(width_in, 16), shared, nn.Linear(16, width_out)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.shared(torch.tanh(self.inp(x)))))
+
+
+def _tied_autoencoder(style: str) -> dict:
+    """An encoder and a decoder sharing one layer (one parameter of two modules), against one
+    process on the concatenated global batch (the mean loss over it is the mean of the ranks'
+    mean losses)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(16, 16)
+    enc, dec = _Half(8, shared, 3), _Half(3, shared, 8)
+    ref_enc = copy.deepcopy(enc)
+    ref_dec = _Half(3, ref_enc.shared, 8)
+    ref_dec.load_state_dict(dec.state_dict())
+    opt, ref_opt = _adam(enc, dec), _adam(ref_enc, ref_dec)
+    data = lambda i, rank=None: rank_data(80 + i, (BATCH, 8), rank=rank)  # noqa: E731
+    return dict(step=autoencoder_step, args=lambda b: (enc, dec, opt, b),
+                ref_args=lambda b: (ref_enc, ref_dec, ref_opt, b), data=data,
+                global_data=lambda i: torch.cat([data(i, r) for r in range(dist.get_world_size())]),
                 modules={"encoder": (enc, ref_enc), "decoder": (dec, ref_dec)},
                 optimizers=[(opt, ref_opt)])
 
@@ -344,8 +402,10 @@ CASES = {
     "ema_lerp": _with_copy(ema_lerp_step, _frozen, (8, 16, 4), _regression_data),
     "ema_foreach": _with_copy(ema_foreach_step, _frozen, (8, 16, 4), _regression_data),
     "distill": _with_copy(distill_step, _teacher, (8, 16, 5), _class_data),
+    "distill_dataclass": _distill_dataclass,
     "target_network": _with_copy(target_network_step, _frozen, (8, 16, 8), _pair_data),
     "autoencoder": _autoencoder,
+    "tied_autoencoder": _tied_autoencoder,
     "actor_critic": _actor_critic,
 }
 
@@ -457,10 +517,13 @@ def _train(chk: ParityChecker, case: dict, style: str, steps: range) -> int:
     for i in steps:
         batch = case["data"](i)
         out = compiled(*case["args"](batch))
-        ref_out = case["step"](*case["ref_args"](batch))
-        for k, (a, e) in enumerate(zip(torch.utils._pytree.tree_leaves(out),
-                                       torch.utils._pytree.tree_leaves(ref_out))):
-            chk.close("loss", f"step {i}: output {k}", a, e.detach())
+        if "global_data" in case:  # one process on every rank's batch: its loss is the global one
+            case["step"](*case["ref_args"](case["global_data"](i)))
+        else:
+            ref_out = case["step"](*case["ref_args"](batch))
+            for k, (a, e) in enumerate(zip(torch.utils._pytree.tree_leaves(out),
+                                           torch.utils._pytree.tree_leaves(ref_out))):
+                chk.close("loss", f"step {i}: output {k}", a, e.detach())
         _compare(chk, i, case)
     return compiled.compile_count
 
@@ -550,3 +613,7 @@ def test_explain_names_each_module_by_its_argument():
     text = explain(ema_lerp_step, model, _frozen(model), _adam(model),
                    (torch.randn(BATCH, 8), torch.randn(BATCH, 4))).to_text()
     assert "model.0.weight" in text and "ema.0.weight" in text, text
+    student = _mlp(8, 16, 5)
+    text = explain(distill_dataclass_step, student, _adam(student), _class_data(0),
+                   Distillation(_teacher(student))).to_text()
+    assert "student.0.weight" in text and "kd.teacher.0.weight" in text, text

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import BatchDimError, StepSignatureError
 from ..torch_internals import marked_dynamic_dims, pytree
-from .step_modules import argument_names, step_root
+from .step_modules import argument_names, held_state, step_root
 
 _SPECS: dict[tuple, Any] = {}  # the shape of the arguments (``_shape``) -> its TreeSpec
 _TEXTS: dict[int, tuple[Any, str]] = {}  # id(spec) -> (spec, str(spec)), the spec kept alive
@@ -113,16 +113,21 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
     leaves, spec = flatten_step_args(args, kwargs)
     modules = [i for i, x in enumerate(leaves) if isinstance(x, torch.nn.Module)]
     optimizers = [i for i, x in enumerate(leaves) if isinstance(x, torch.optim.Optimizer)]
-    if not modules:
+    held, holders = held_state(leaves)  # inside dataclass arguments
+    held_modules = [(j, path, m) for j, path, m in held if isinstance(m, torch.nn.Module)]
+    if not modules and not held_modules:
         raise StepSignatureError(
             "the step must receive its torch.nn.Module(s) among its arguments (none found); the "
             "compiled step places and records every module it receives.")
-    if len(modules) == 1:
-        root = leaves[modules[0]]
+    if len(modules) + len(held_modules) == 1:
+        root = leaves[modules[0]] if modules else held_modules[0][2]
     else:
         names = argument_names(fn, args, kwargs)
-        root = step_root([(names[i], leaves[i]) for i in modules])
-    if not optimizers:
+        root = step_root([(names[i], leaves[i]) for i in modules]
+                         + [(f"{names[j]}.{path}", m) for j, path, m in held_modules])
+    optimizer_objects = [leaves[i] for i in optimizers] + [
+        o for _, _, o in held if isinstance(o, torch.optim.Optimizer)]
+    if not optimizer_objects:
         raise StepSignatureError(
             "the step must receive its torch.optim.Optimizer as an argument (none found); the "
             "compiled step records optimizer.step() together with forward and backward."
@@ -131,10 +136,10 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
     batch_dims = _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim)
     return StepArgs(
         module=root,
-        optimizers=[leaves[i] for i in optimizers],
+        optimizers=optimizer_objects,
         leaves=leaves,
         spec=spec,
-        module_indices=modules,
+        module_indices=sorted(modules + holders),  # (a dataclass holding state is no constant)
         optimizer_indices=optimizers,
         input_indices=inputs,
         batch_dims=batch_dims,

@@ -2,7 +2,8 @@
 EMA copy, a student and a frozen teacher) as one module tree the compiler places and records.
 
 The modules become children of one :class:`StepModules` root, each named by the argument it was
-passed as (``G``, ``D``, ``ema``; ``nets.G`` for ``nets={"G": ...}``, ``models.0`` for a list),
+passed as (``G``, ``D``, ``ema``; ``nets.G`` for ``nets={"G": ...}``, ``models.0`` for a list,
+``cfg.teacher`` for a field of a dataclass argument),
 so every parameter has one name (``G.0.weight``) in the graph, the summaries and the errors. The
 root is made once per set of modules and reused on every call (its identity keys the compiled
 programs); the user's modules stay the objects the step and the user call. A parameter shared by
@@ -12,6 +13,7 @@ alone is its own root, as before.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable
 
@@ -61,9 +63,37 @@ def _positional_names(fn: Callable | None, count: int) -> list[str]:
 def _key(k: Any) -> str:
     """One part of a leaf's name (a dot in a dict key becomes ``_``: dots separate parts)."""
     for attr in ("idx", "key", "name"):
-        if hasattr(k, attr):
+        if hasattr(k, attr) and not isinstance(k, (str, int)):
             return str(getattr(k, attr)).replace(".", "_") or "_"
     return str(k).replace(".", "_") or "_"
+
+
+def held_state(leaves: list) -> tuple[list[tuple[int, str, Any]], list[int]]:
+    """The modules and optimizers inside dataclass leaves (which pytree does not flatten):
+    (leaf, path inside it as ``field.0.key``, object) each, and the leaves holding any."""
+    found: list[tuple[int, str, Any]] = []
+    for j, leaf in enumerate(leaves):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += [(j, path, x) for path, x in _walk(leaf, "")]
+    return found, sorted({j for j, _, _ in found})
+
+
+def _walk(x: Any, path: str):
+    """(path, object) of the modules and optimizers in ``x`` (dataclass fields, lists, tuples,
+    dicts), depth first."""
+    if isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):
+        yield path, x
+        return
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        items = [(f.name, getattr(x, f.name)) for f in dataclasses.fields(x)]
+    elif isinstance(x, (list, tuple)):
+        items = list(enumerate(x))
+    elif isinstance(x, dict):
+        items = list(x.items())
+    else:
+        return
+    for key, value in items:
+        yield from _walk(value, f"{path}.{_key(key)}" if path else _key(key))
 
 
 def step_root(named: list[tuple[str, torch.nn.Module]]) -> torch.nn.Module:
