@@ -411,9 +411,9 @@ class _StatelessStep:
             leaves[i] = t
         call_args, call_kwargs = pytree.tree_unflatten(leaves, sa.spec)
         fake_of = {id(p): fp for p, fp in zip(st.params, params)}
-        by_name = {n: fake_of[id(p)] for n, p in st.named_params}
+        by_name = {n: fake_of[id(p)] for n, p in _slots(sa.module, st.named_params)}
         buffer_of = {id(b): fb for b, fb in zip(st.buffers, buffers)}
-        by_name.update({n: buffer_of[id(b)] for n, b in st.named_buffers})
+        by_name.update({n: buffer_of[id(b)] for n, b in _slots(sa.module, st.named_buffers)})
         state_by_key = dict(zip([k for k, _ in st.states], states))
         trainable = [fp for fp in params if fp.requires_grad]
         regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD,
@@ -462,6 +462,19 @@ class _StatelessStep:
                     self.created.append((fqn, k))
                     new_states.append(tp.local_of(v))
         return new_states
+
+
+def _slots(root: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with one name per attribute slot: a submodule reachable by two paths (a layer
+    shared by two of the step's modules) is swapped once, so it is restored once."""
+    seen, out = set(), []
+    for name, t in named:
+        prefix, _, attr = name.rpartition(".")
+        slot = (id(root.get_submodule(prefix)), attr)
+        if slot not in seen:
+            seen.add(slot)
+            out.append((name, t))
+    return out
 
 
 @contextlib.contextmanager
