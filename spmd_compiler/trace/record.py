@@ -464,7 +464,8 @@ class _StatelessStep:
         return new_states
 
 
-def _slots(root: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def _slots(root: torch.nn.Module,
+           named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """``named`` with one name per attribute slot: a submodule reachable by two paths (a layer
     shared by two of the step's modules) is swapped once, so it is restored once."""
     seen, out = set(), []
