@@ -617,3 +617,45 @@ def test_explain_names_each_module_by_its_argument():
     text = explain(distill_dataclass_step, student, _adam(student), _class_data(0),
                    Distillation(_teacher(student))).to_text()
     assert "student.0.weight" in text and "kd.teacher.0.weight" in text, text
+
+
+CALLS_PER_UPDATE = 3
+
+
+def no_sync_job(style: str) -> dict:
+    """An encoder and a decoder with one optimizer: ``CALLS_PER_UPDATE - 1`` calls inside
+    ``step.no_sync()`` then one outside, against ``DDP(encoder)``, ``DDP(decoder)`` running the
+    same forward/backwards inside both modules' ``no_sync()`` and one optimizer step."""
+    import contextlib
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    case = _autoencoder(style)
+    (enc, ref_enc), (dec, ref_dec) = case["modules"]["encoder"], case["modules"]["decoder"]
+    (opt, ref_opt), = case["optimizers"]
+    wrapped = case["ref_args"](None)[:2]
+    compiled = spmd_compile(DataParallel(style))(autoencoder_step)
+    chk = ParityChecker(RTOL, ATOL)
+    for i in range(STEPS):
+        ref_opt.zero_grad()
+        for k in range(CALLS_PER_UPDATE):
+            x = rank_data(90 + 10 * i + k, (BATCH, 8))
+            skip = k < CALLS_PER_UPDATE - 1
+            with compiled.no_sync() if skip else contextlib.nullcontext():
+                loss = compiled(enc, dec, opt, x.clone())
+            with contextlib.ExitStack() as stack:
+                if skip:
+                    for m in wrapped:
+                        stack.enter_context(m.no_sync())
+                ref_loss = F.mse_loss(wrapped[1](wrapped[0](x)), x)
+                ref_loss.backward()
+            chk.close("loss", f"update {i} call {k}: loss", loss, ref_loss.detach())
+        ref_opt.step()
+        _compare(chk, i, case)
+    return dict(max_err=chk.max_err, problems=chk.problems)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_no_sync_with_two_modules(pool2, style):
+    for rank, rep in enumerate(pool2.run(no_sync_job, style, timeout=600)):
+        assert not rep["problems"], f"rank {rank}: {rep['problems'][:8]}"
