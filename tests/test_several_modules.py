@@ -427,11 +427,11 @@ def _compare(chk: ParityChecker, step: int, case: dict) -> None:
         params, ref_params = dict(ours.named_parameters()), dict(ref.named_parameters())
         chk.check(list(params) == list(ref_params), f"step {step}: {mname} parameter names")
         for n, p in params.items():
-            chk.close("param", f"step {step}: {mname}.{n}", _full(p), ref_params[n])
+            chk.close("param", f"step {step}: {mname}.{n}", _full(p), _full(ref_params[n]))
             names[id(p)] = f"{mname}.{n}"
         ref_buffers = dict(ref.named_buffers())
         for n, b in ours.named_buffers():
-            chk.close("buffer", f"step {step}: buffer {mname}.{n}", _full(b), ref_buffers[n])
+            chk.close("buffer", f"step {step}: buffer {mname}.{n}", _full(b), _full(ref_buffers[n]))
     for k, (opt, ref_opt) in enumerate(case["optimizers"]):
         ours = [p for g in opt.param_groups for p in g["params"]]
         theirs = [p for g in ref_opt.param_groups for p in g["params"]]
@@ -441,7 +441,7 @@ def _compare(chk: ParityChecker, step: int, case: dict) -> None:
             chk.check(sorted(st) == sorted(ref_st), f"{where}: keys {sorted(st)} vs {sorted(ref_st)}")
             for key in ref_st:
                 if key in st:
-                    chk.close("state", f"{where}.{key}", _full(st[key]), ref_st[key])
+                    chk.close("state", f"{where}.{key}", _full(st[key]), _full(ref_st[key]))
 
 
 def _placements_ok(chk: ParityChecker, case: dict, style: str) -> None:
@@ -658,4 +658,42 @@ def no_sync_job(style: str) -> dict:
 @pytest.mark.parametrize("style", STYLES)
 def test_no_sync_with_two_modules(pool2, style):
     for rank, rep in enumerate(pool2.run(no_sync_job, style, timeout=600)):
+        assert not rep["problems"], f"rank {rank}: {rep['problems'][:8]}"
+
+
+def mixed_precision_gan_job() -> dict:
+    """The GAN under fully_shard with FSDP2's policy (bf16 parameters and compute, fp32
+    reduction) against FSDP2 applied to each module with the same policy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=True)
+    ours, ref = _gan_parts()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for m in ref.values():
+        fully_shard(m, mesh=mesh, mp_policy=policy)
+    opts = [_adam(ours["G"]), _adam(ours["D"])]
+    ref_opts = [_adam(ref["G"]), _adam(ref["D"])]
+    case = dict(modules={k: (ours[k], ref[k]) for k in ours}, optimizers=list(zip(opts, ref_opts)))
+    compiled = spmd_compile(DataParallel("fully_shard", mp_policy=policy,
+                                         divide_gradients="after"))(gan_step)
+    # Observed: G within 1e-5 of FSDP2, D (called twice before one backward) ~1e-4 off; most
+    # likely FSDP2 sums the two calls' gradients in its one bf16 unsharded parameter where the
+    # compiled step casts per call and sums in fp32 (not verified further)
+    chk = ParityChecker(1e-3, 5e-4)
+    for i in range(STEPS):
+        batch = _gan_data(i)
+        out = compiled(ours["G"], ours["D"], *opts, batch)
+        ref_out = gan_step(ref["G"], ref["D"], *ref_opts, batch)
+        for k, (a, e) in enumerate(zip(out, ref_out)):
+            chk.close("loss", f"step {i}: output {k}", a, e)
+        _compare(chk, i, case)
+    return dict(max_err=chk.max_err, problems=chk.problems)
+
+
+def test_mixed_precision_gan_matches_fsdp2(pool2):
+    for rank, rep in enumerate(pool2.run(mixed_precision_gan_job, timeout=600)):
         assert not rep["problems"], f"rank {rank}: {rep['problems'][:8]}"
