@@ -1,8 +1,10 @@
 """Benchmark spmd_compiler against eager DDP and FSDP2, with the lower bound, in one run.
 
 Every (model, mode) runs on WORLD_SIZE fresh gloo ranks on 127.0.0.1 with one thread each.
-Prints one line per finished job, then a table; writes the JSON results, docs/benchmarks.md and the
-chart (when matplotlib is installed).
+Prints one line per finished job, then a table, and writes the JSON results to a scratch file
+(``--out`` names another). ``--write-docs`` writes the checkout's benchmarks/results.json,
+docs/benchmarks.md and the chart (when matplotlib is installed) instead: a run to publish, on a
+quiet machine. Runs from any directory (the checkout on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +27,32 @@ from .modes import ABLATIONS, VARIANTS, ablation_run, all_modes
 from .report import progress_line, ratio_table, table, write_docs
 from .results import add_comparisons, shared_core_bound, summarize
 from .worker import Job, launch
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
+SCRATCH = Path(tempfile.gettempdir()) / "spmd_compiler_benchmarks"
+
+
+def add_output_options(parser: argparse.ArgumentParser, results: str, page: str) -> None:
+    """``--out``, ``--md`` and ``--write-docs`` for a benchmark whose published results are
+    ``results`` and ``page`` (paths in the checkout)."""
+    parser.add_argument("--out", default=None,
+                        help=f"JSON results file (default: {SCRATCH / Path(results).name}; with "
+                             f"--write-docs: {results} in the checkout)")
+    parser.add_argument("--md", default=None,
+                        help=f"markdown page to write (default: none; with --write-docs: {page} "
+                             f"in the checkout)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"write {results} and {page} in the checkout (to publish a run "
+                             f"made on a quiet machine)")
+
+
+def output_paths(args: argparse.Namespace, results: str, page: str) -> None:
+    """Set ``args.out`` and ``args.md`` as add_output_options' options say (``args.md`` None:
+    no page)."""
+    if args.out is None:
+        args.out = str(ROOT / results if args.write_docs else SCRATCH / Path(results).name)
+    if args.md is None and args.write_docs:
+        args.md = str(ROOT / page)
 
 
 def _csv(choices: dict):
@@ -101,18 +130,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="per-rank batch size for every model (default: each model's own)",
     )
+    add_output_options(parser, "benchmarks/results.json", "docs/benchmarks.md")
     parser.add_argument(
-        "--out",
-        default="benchmarks/results.json",
-        help="JSON results file (default: benchmarks/results.json)",
-    )
-    parser.add_argument(
-        "--md", default="docs/benchmarks.md", help="markdown page (default: docs/benchmarks.md)"
-    )
-    parser.add_argument(
-        "--png",
-        default="docs/img/benchmarks.png",
-        help="bar chart (default: docs/img/benchmarks.png; skipped without matplotlib)",
+        "--png", default=None,
+        help="bar chart (default: with --md, docs/img/benchmarks.png beside the page; skipped "
+        "without matplotlib)",
     )
     parser.add_argument("--no-docs", action="store_true", help="write only the JSON file")
     parser.add_argument("--seed", type=int, default=0, help="init and data seed (default: 0)")
@@ -131,6 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "0's op table to DIR/MODEL_MODE.txt (figures are unaffected)",
     )
     args = parser.parse_args(argv)
+    output_paths(args, "benchmarks/results.json", "docs/benchmarks.md")
+    if args.md and args.png is None:
+        args.png = str(Path(args.md).parent / "img" / "benchmarks.png")
     if args.steps < 1 or args.warmup < 0 or args.world_size < 1 or args.rounds < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --world-size >= 1, --rounds >= 1")
     if args.ablation:
@@ -162,7 +187,8 @@ def machine() -> dict:
 def source_revision() -> dict:
     """The commit measured, and whether the compiler's sources differed from it."""
     def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", "-C", str(ROOT), *cmd], capture_output=True,
+                              text=True).stdout.strip()
 
     dirty = git("status", "--porcelain", "--", "spmd_compiler", "passes")
     return {"commit": git("rev-parse", "--short", "HEAD"), "compiler_sources_modified": bool(dirty)}
@@ -259,7 +285,7 @@ def main(argv=None) -> int:
     print()
     print(ratio_table(results))
     print(f"\nresults: {out}")
-    if not args.no_docs:
+    if args.md and not args.no_docs:
         note = write_docs(results, Path(args.md), Path(args.png))
         print(f"docs: {args.md}" + (f" ({note})" if note else f", chart: {args.png}"))
     return report_errors(results)

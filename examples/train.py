@@ -254,6 +254,12 @@ def main(argv=None) -> None:
     if resume:
         step = load_checkpoint(resume, model, optim, sched)
         log(f"resumed from {resume} at step {step}")
+    if step >= args.steps:
+        log(f"nothing to do: the run in {args.ckpt_dir} already finished {step} of --steps "
+            f"{args.steps} (a larger --steps continues it, another --ckpt-dir starts afresh)")
+        del model
+        dist.destroy_process_group()
+        return
     log(f"{args.mode} on {world} {device.type} rank(s) ({dist.get_backend()}), {args.steps} steps, "
         f"global batch {args.batch_size * world}, {per_epoch} steps per epoch")
 

@@ -356,6 +356,10 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
              f"compile), other optimizers' in a first program of their own"} if created else None
     summary = summarize(program.gm, compile_times=program.seconds, notes=notes,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
+    if mesh is None and summary.gathers:
+        summary.notes["collectives issued per call"] = (
+            "counted without a process group: under gloo each all_gather is issued as one "
+            "broadcast per rank (world - 1 more per all_gather)")
     if step.dump_dir:
         write_summary(summary, step.dump_dir)
     return summary

@@ -444,6 +444,14 @@ def init_adam_state(opt: torch.optim.Optimizer, group: dict) -> None:
     opt._init_group(group, *lists)
 
 
+def mark_stepped(opt: torch.optim.Optimizer) -> None:
+    """Leave ``opt`` as its ``step()`` does when an LR scheduler has wrapped it: the wrapper
+    (torch/optim/lr_scheduler.py, ``LRScheduler.__init__``'s ``patch_track_step_called``) sets
+    ``opt._opt_called``, which the scheduler's first ``step()`` reads to warn that it was called
+    before ``optimizer.step()``."""
+    opt._opt_called = True
+
+
 @contextlib.contextmanager
 def tag_regions(key: str, forward, backward, optimizer):
     """While recording: nodes recorded before and inside ``torch.autograd.backward`` (what

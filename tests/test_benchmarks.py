@@ -5,6 +5,7 @@ the JSON has every figure with sane values. No timing thresholds.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,38 @@ def test_docs(results):
         assert f"| {mode} " in md
     ratios = md[md.index("## Ratios"):md.index("## Results")]
     assert "## Ablation" in md and ABLATION not in ratios
+
+
+def test_run_from_another_directory_leaves_the_checkout_alone(tmp_path):
+    """Without --write-docs a run writes its results to a scratch file (or --out) and no page;
+    it runs from any directory and records the checkout's commit."""
+    tracked = ["benchmarks/results.json", "docs/benchmarks.md", "docs/img/benchmarks.png"]
+    before = {p: (ROOT / p).read_bytes() for p in tracked}
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--models", "simple_mlp", "--modes", "compute",
+           "--steps", "1", "--warmup", "0", "--out", str(out), "--timeout", "120"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"results: {out}" in proc.stdout and "docs:" not in proc.stdout, proc.stdout
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    assert json.loads(out.read_text())["source"]["commit"] == head
+    assert {p: (ROOT / p).read_bytes() for p in tracked} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+@pytest.mark.parametrize("module, results, page", [
+    ("run", "benchmarks/results.json", "docs/benchmarks.md"),
+    ("memory", "benchmarks/memory_results.json", "docs/memory.md"),
+])
+def test_only_write_docs_names_the_checkouts_files(module, results, page):
+    import importlib
+
+    from benchmarks.run import SCRATCH
+
+    parse = importlib.import_module(f"benchmarks.{module}").parse_args
+    args = parse([])
+    assert Path(args.out).parent == SCRATCH and args.md is None
+    args = parse(["--write-docs"])
+    assert (args.out, args.md) == (str(ROOT / results), str(ROOT / page))

@@ -9,6 +9,7 @@ first test checks the error when no group is initialized at all.
 from __future__ import annotations
 
 import inspect
+import linecache
 
 import pytest
 import torch
@@ -163,6 +164,11 @@ def test_data_dependent_control_flow_names_user_line(pg1, step, marker):
     assert f"line {line}" in msg, f"the message does not name line {line}: {msg}"
     assert step.__name__ in msg, msg
     assert "control flow" in msg and ".item()" in msg, msg
+    source = linecache.getline(__file__, line).strip()
+    assert source in msg, f"the message does not show the condition {source!r}: {msg}"
+    # torch's internals (a guard on an unnamed symbol) are the cause, not the message
+    assert "Could not guard" not in msg and "u0" not in msg, msg
+    assert msg.endswith("move it out of the step."), msg
     assert_untouched(compiled, model)
 
 

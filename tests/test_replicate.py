@@ -407,3 +407,71 @@ def test_caching_recompiles_exactly_when_needed(pool):
                 )
             if delta == 0:
                 assert not recompiles, f"'{event}' logged a recompile: {recompiles}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The LR scheduler sees the optimizer stepped, as in eager
+# --------------------------------------------------------------------------------------------------
+
+def _scheduler_warnings(step, opt, accumulate_first: bool) -> list[str]:
+    """The scheduler warnings of three calls of ``step`` (``step(batch, no_sync)``), each followed
+    by ``scheduler.step()``; the first call inside ``no_sync`` when ``accumulate_first``."""
+    import warnings
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9 ** k)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            step(rank_data(300 + i, (8, 50), (8, 8)), accumulate_first and i == 0)
+            sched.step()
+    return [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+
+
+def scheduler_warning_job(mode: str, accumulate_first: bool) -> dict[str, list[str]]:
+    """Scheduler warnings under the compiled step and its eager reference (DDP; FSDP2 for
+    fully_shard), with the optimizer created and wrapped by the scheduler before the first call."""
+    import contextlib
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler import DataParallel, spmd_compile
+    from tests.models import SimpleMLP
+
+    torch.manual_seed(0)
+    model, eager = SimpleMLP(), SimpleMLP()
+    eager.load_state_dict(model.state_dict())
+    eager = fully_shard(eager) if mode == "fully_shard" else DDP(eager)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    eager_opt = torch.optim.Adam(eager.parameters(), lr=0.01)
+    compiled = spmd_compile(DataParallel(mode))(train_step)
+
+    def compiled_call(batch, accumulate):
+        with compiled.no_sync() if accumulate else contextlib.nullcontext():
+            compiled(model, opt, batch)
+
+    def eager_call(batch, accumulate):
+        if not accumulate:
+            return train_step(eager, eager_opt, batch)
+        if mode == "fully_shard":
+            eager.set_requires_gradient_sync(False)
+        with eager.no_sync() if mode == "replicate" else contextlib.nullcontext():
+            x, y = batch
+            torch.nn.functional.mse_loss(eager(x), y).backward()  # forward + backward only
+        if mode == "fully_shard":
+            eager.set_requires_gradient_sync(True)
+
+    return {"compiled": _scheduler_warnings(compiled_call, opt, accumulate_first),
+            "eager": _scheduler_warnings(eager_call, eager_opt, accumulate_first)}
+
+
+@pytest.mark.parametrize("accumulate_first", [False, True], ids=["step_first", "no_sync_first"])
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_lr_scheduler_sees_the_optimizer_stepped_on_every_rank(pool2, mode, accumulate_first):
+    """torch's LR scheduler warns at its first step() unless the optimizer's step() ran before
+    it (it wraps ``optimizer.step``); the compiled step leaves the optimizer as eager does on
+    every rank, also on ranks that received the program instead of recording it: no warning
+    after a step, the eager warning after a call inside ``no_sync`` (no optimizer step)."""
+    for rank, seen in enumerate(pool2.run(scheduler_warning_job, mode, accumulate_first)):
+        assert seen["compiled"] == seen["eager"], (rank, seen)
+        assert bool(seen["eager"]) == accumulate_first, (rank, seen)

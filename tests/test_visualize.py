@@ -326,3 +326,35 @@ def test_placement_text():
     assert visualize.placement_str(Partial("avg")) == "P(avg)"
     assert visualize.placement_str([Shard(0), None]) == "S(0),-"
     assert visualize.placement_kind([Partial("sum")]) == "partial"
+
+
+def test_issued_per_call_says_what_it_counts_beyond_the_collectives_per_step():
+    """The step table's "collectives issued per call" adds up from the "collectives per step"
+    table: gloo's lowering (an all_gather issued as one broadcast per rank) and the per-call
+    agreement between ranks are named, so the two counts cannot look contradictory."""
+    stats = [visualize.CollectiveStat("all_gather", 2, 8608, False),
+             visualize.CollectiveStat("reduce_scatter", 1, 7584, False)]
+
+    def issued(total, agreements):
+        return visualize.Summary(1, {}, stats, [], [], {}, 0, "x", issued_per_call=total,
+                                 agreements_per_call=agreements).issued_text()
+
+    assert issued(6, 1) == ("6 = 3 per step (below) + 2 from the lowering for gloo (an all_gather "
+                            "issued as one broadcast per rank) + 1 agreement between ranks")
+    assert issued(4, 1) == "4 = 3 per step (below) + 1 agreement between ranks"
+    assert issued(3, 0) == "3: the collectives per step below"
+    assert issued(None, 0) == "-"
+
+
+def test_explain_counts_collectives_without_a_process_group_and_says_so():
+    from spmd_compiler import DataParallel, explain
+
+    model = SimpleMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    summary = explain(train_step, model, opt, (torch.randn(8, 50), torch.randn(8, 8)),
+                      parallel_mode=DataParallel("fully_shard"), world_size=2)
+    per_step = sum(c.count for c in summary.collectives)
+    assert summary.issued_per_call == per_step + summary.agreements_per_call
+    assert summary.issued_text().startswith(f"{summary.issued_per_call} = {per_step} per step")
+    assert "one broadcast per rank" in summary.notes["collectives issued per call"]
+    assert "one broadcast per rank" in summary.to_text()

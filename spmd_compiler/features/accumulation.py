@@ -47,7 +47,8 @@ def accumulating(optimizers, module: torch.nn.Module,
     """While recording the step in ``mode`` (``ACCUMULATE`` / ``APPLY``; None: nothing): each
     (parameter, gradient) of ``grads_in`` starts with that gradient, ``zero_grad`` of the
     optimizers and of the module does nothing, and accumulating neither does ``step``.
-    Restores the patched methods afterwards."""
+    Restores the patched methods afterwards, an instance's own too (an LR scheduler's wrapper
+    of ``optimizer.step``)."""
     if mode is None:
         yield
         return
@@ -56,6 +57,7 @@ def accumulating(optimizers, module: torch.nn.Module,
     patched = [(opt, "zero_grad") for opt in optimizers] + [(module, "zero_grad")]
     if mode == ACCUMULATE:
         patched += [(opt, "step") for opt in optimizers]
+    own = [(obj, name, obj.__dict__[name]) for obj, name in patched if name in obj.__dict__]
     for obj, name in patched:
         setattr(obj, name, lambda *args, **kwargs: None)
     try:
@@ -63,6 +65,8 @@ def accumulating(optimizers, module: torch.nn.Module,
     finally:
         for obj, name in patched:
             obj.__dict__.pop(name, None)
+        for obj, name, method in own:
+            obj.__dict__[name] = method
 
 
 class KeptGradients:

@@ -745,6 +745,7 @@ class Summary:
     # collectives a call issues (the lowered graph's, and the per-call agreement between ranks
     # when the graph awaits it); None without a lowered graph
     issued_per_call: int | None = None
+    agreements_per_call: int = 0  # of issued_per_call: the per-call agreement between ranks
     compile_times: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # per pass: what it did
     gathers: list[GatherStat] = field(default_factory=list)
@@ -789,9 +790,26 @@ class Summary:
         if self.notes:
             out.append(("passes", ["pass", "what it did"], [[k, v] for k, v in self.notes.items()]))
         out.insert(0, ("step", ["graph nodes", "sizes evaluated at", "collectives issued per call"],
-                       [[self.num_nodes, hints,
-                         "-" if self.issued_per_call is None else self.issued_per_call]]))
+                       [[self.num_nodes, hints, self.issued_text()]]))
         return out
+
+    def issued_text(self) -> str:
+        """The collectives a call issues, split into the step's (the table "collectives per
+        step": one per bucket), those the lowering for the backend adds (gloo: an all_gather
+        issued as one broadcast per rank) and the per-call agreement between ranks."""
+        if self.issued_per_call is None:
+            return "-"
+        per_step = sum(c.count for c in self.collectives)
+        lowering = self.issued_per_call - per_step - self.agreements_per_call
+        text = f"{per_step} per step (below)"
+        if lowering:
+            text += (f" {'+' if lowering > 0 else '-'} {abs(lowering)} from the lowering for gloo"
+                     f" (an all_gather issued as one broadcast per rank)")
+        if self.agreements_per_call:
+            text += f" + {self.agreements_per_call} agreement between ranks"
+        if text == f"{per_step} per step (below)":
+            return f"{per_step}: the collectives per step below"
+        return f"{self.issued_per_call} = {text}"
 
     def to_text(self) -> str:
         return "\n\n".join(f"{title}\n{tabulate(rows, headers, tablefmt='simple', floatfmt='.3f')}"
@@ -912,7 +930,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         workspace_bytes=workspace_bytes,
         compile_times=dict(compile_times or {}),
         notes={**gm.meta.get(NOTES, {}), **(notes or {})},
-        issued_per_call=None if lowered is None else issued_per_call(lowered),
+        **_per_call(lowered),
         gathers=parameter_gathers(gm, sizer),
     )
 
@@ -941,6 +959,21 @@ def issued_per_call(lowered: fx.GraphModule) -> int:
     from spmd_compiler.runtime.agreement import await_agreement
 
     return sum(is_collective(n) or n.target is await_agreement for n in lowered.graph.nodes)
+
+
+def _per_call(lowered: fx.GraphModule | None) -> dict[str, int]:
+    """Summary's collectives a call issues, and of them the agreements (none without ``lowered``)."""
+    if lowered is None:
+        return {}
+    return {"issued_per_call": issued_per_call(lowered),
+            "agreements_per_call": agreements_per_call(lowered)}
+
+
+def agreements_per_call(lowered: fx.GraphModule) -> int:
+    """Of ``issued_per_call(lowered)``: the per-call agreement between ranks the graph awaits."""
+    from spmd_compiler.runtime.agreement import await_agreement
+
+    return sum(n.target is await_agreement for n in lowered.graph.nodes)
 
 
 def write_summary(summary: Summary, dump_dir: str | Path) -> list[Path]:

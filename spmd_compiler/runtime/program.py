@@ -27,7 +27,7 @@ from ..state.placement import (
 from .signature import StepSignature, TracedStep
 from .step_modules import modules_of
 from ..features.subclass_params import inner_tensors
-from ..torch_internals import direct_op_calls, pytree
+from ..torch_internals import direct_op_calls, mark_stepped, pytree
 @dataclass
 class CompiledGraph:
     """A compiled step graph and how to bind live state to its placeholders."""
@@ -108,8 +108,11 @@ class CompiledGraph:
                 opt_of[id(p)].state[p][k] = state_from_local(t, p, mesh)
         if sig.grads_out:
             accumulated.update(zip(sig.grads_out, outs.grads_out))
-        elif sig.grads_in:  # synced and applied
-            accumulated.clear()
+        else:  # the optimizers stepped, on every rank (an LR scheduler reads it)
+            for opt in sa.optimizers:
+                mark_stepped(opt)
+            if sig.grads_in:  # synced and applied
+                accumulated.clear()
         for fqn, g in zip(sig.kept_grads, outs.kept_grads):
             params[fqn].grad = grad_like(g, params[fqn], mesh)
         leaves = outs.user

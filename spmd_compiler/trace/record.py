@@ -723,11 +723,13 @@ def _describe_trace_failure(e: Exception) -> str:
 
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, (GuardOnDataDependentSymNode, DataDependentOutputException)):
+        # torch's text (a condition on an unnamed symbol, "Eq(u0, 1)") helps only without a line
+        detail = f" (torch: {first_line})" if where == "<unknown location>" else ""
         return (
             f"the step branches on or converts a tensor's value at {where}. The whole step is "
             f"recorded once as a graph, so Python control flow that depends on tensor data "
             f"(if/while on a tensor, .item(), .tolist(), bool(tensor)) cannot be compiled. Use "
-            f"torch.where / tensor ops instead, or move it out of the step. ({first_line})"
+            f"torch.where / tensor ops instead, or move it out of the step{detail}."
         )
     if isinstance(e, TypeError) and "FakeTensor" in str(e):
         return (
