@@ -2,10 +2,14 @@
 checked against real torch on real gloo groups.
 
 References: DDP on each trainable module (``DDP(G)``, ``DDP(D)``) with the same step function,
-frozen, EMA and target copies left plain as DDP users leave them. Every case runs several steps
-with different data per rank and compares, on every rank, every module's parameters and buffers
-(the EMA / teacher / target copies included; a sharded parameter by its ``full_tensor()``), every
-optimizer's state and the returned losses.
+frozen, EMA and target copies left plain as DDP users leave them (a layer shared by two modules:
+one process on the concatenated global batch; bf16: FSDP2 on each module). Every case runs
+several steps with different data per rank and compares, on every rank, every module's
+parameters and buffers (the EMA / teacher / target copies included; a sharded parameter by its
+``full_tensor()``), every optimizer's state and the returned losses; then checks the placements,
+calls each module outside the step, saves every module and optimizer, loads them into fresh
+ones and trains on against the same references. replicate and fully_shard at 2 ranks,
+hybrid_shard on a 2 x 2 mesh at 4.
 
 Tolerances (float32 round-off): ``|actual - expected| <= ATOL + RTOL * |expected|``.
 """
@@ -566,7 +570,7 @@ def _case_of(item):
     return (params.params["case"], params.params["style"])
 
 
-_REPORTS = SelectedCases(parity_job, _case_of, timeout=1200)
+_REPORTS = SelectedCases(parity_job, _case_of, timeout=2400)
 
 
 def _assert_report(pool, case: str, style: str) -> None:
