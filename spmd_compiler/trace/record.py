@@ -43,6 +43,7 @@ from ..torch_internals import (
     _reparametrize_module,
     backed_size_oblivious,
     compiling_forward,
+    symbolic_floats_unhashable,
     faster_symbolic_recording,
     get_proxy_mode,
     pytree,
@@ -71,6 +72,7 @@ from ..features.halo_conv import halo_convolution
 from ..runtime.call_args import LIFTED_HPARAMS, StepArgs, split_step_args
 from ..runtime.step_modules import modules_of
 from . import block_reuse
+from .reads import Reads, watching as watch_reads
 
 
 # Optimizers whose ``fused=True`` implementation computes the same update as their default and
@@ -164,6 +166,7 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
     def on_grad(fqn):
         def hook(t):
             mode = get_proxy_mode()
+            tp.grad_as_planned(t)
             node = get_proxy_slot(tp.local_of(subclasses.plain_grad(t)), mode.tracer).proxy.node
             grad_nodes.setdefault(fqn, []).append(node)
 
@@ -185,11 +188,11 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
 
 
 def record(fn: Callable, module: torch.nn.Module, codes: dict | None = None,
-           ) -> Callable[..., torch.fx.GraphModule]:
+           seen: "Reads | None" = None) -> Callable[..., torch.fx.GraphModule]:
     """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
     the path of the submodule of ``module`` they were recorded in. Adds to ``codes`` every code
     Python file with code on the stack of a recorded node."""
-    recorder = StepRecorder(module, block_reuse.for_recording(module))
+    recorder = StepRecorder(module, block_reuse.for_recording(module, seen))
 
     def run(*args):
         try:
@@ -489,7 +492,14 @@ def _each_module(root: torch.nn.Module, *contexts: Callable):
         yield
 
 
-def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict) -> torch.fx.GraphModule:
+def _watched_objects(roots: dict) -> list:
+    """The objects whose attribute reads a recording watches (spmd_compiler/trace/reads.py): the
+    model's modules and a bound-method step's instance."""
+    return [*roots[("model",)].modules(), *([roots[("self",)]] if ("self",) in roots else [])]
+
+
+def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict,
+             seen: "Reads | None" = None) -> torch.fx.GraphModule:
     """Record ``step(*args)``; every failure becomes a TraceError (an UnsupportedError when it
     is in the optimizer's code)."""
     fn, sa = step.fn, step.sa
@@ -500,8 +510,9 @@ def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict) -> torch.
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, backed_size_oblivious(), \
-                faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution():
-            return record(step, sa.module, codes)(*args)
+                faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution(), \
+                symbolic_floats_unhashable():
+            return record(step, sa.module, codes, seen)(*args)
     except SPMDError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a TraceError
@@ -558,10 +569,12 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     step = _StatelessStep(fn, sa, st, counts, len(fake_inputs), reads, fuse_optimizer, mp_policy,
                           accumulation, lifted)
     step.subclasses = recording
-    codes: dict = {}  # code objects that ran -> their globals
-    gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
-                                    *fake_inputs, *[fake_static(p) for p in trainable]], codes)
-    value_guards, source_files = guards.collect(fn, sa, codes, list(lift))
+    codes: dict = {}  # code objects on the stack of a recorded op -> their globals
+    with watch_reads(_watched_objects(lifted[1])) as seen:
+        gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
+                                        *fake_inputs, *[fake_static(p) for p in trainable]],
+                      codes, seen)
+    value_guards, source_files = guards.collect(fn, sa, codes, list(lift), seen)
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
         params=tuple(st.fqn_of[id(p)] for p in st.params),
@@ -616,7 +629,8 @@ def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynami
     _annotate(gm, signature, sa, grad_nodes, dynamic_dims)
     trainable = _trainable(sa)
     missing = [fqn for fqn in signature.params if fqn not in grad_nodes and fqn in trainable]
-    tp.refuse_unused_plans(sa.module, missing)
+    unused_plans = tp.planned_names(sa.module, missing)  # left unchanged, as in eager DTensor
+    missing = [fqn for fqn in missing if fqn not in unused_plans]
     if missing:
         raise MissingGradientError(
             f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "
