@@ -88,6 +88,28 @@ def _by_dtype(members: list[_Member]) -> list[list[_Member]]:
     return list(groups.values())
 
 
+def _optimizer_phases(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Per node, how many optimizer regions come before it: a step with several backward calls
+    steps an optimizer between two forwards, and a parameter gathered after it is the updated
+    one."""
+    phases, phase, previous = {}, 0, None
+    for node in graph.nodes:
+        region = node.meta.get(meta.REGION)
+        if region == meta.Region.OPTIMIZER and previous != meta.Region.OPTIMIZER:
+            phase += 1
+        phases[node], previous = phase, region
+    return phases
+
+
+def _by_phase(members: list[_Member], phases: dict[fx.Node, int]) -> list[list[_Member]]:
+    """The gathers split by the optimizer phase they run in (a bucket goes where its first
+    member was: never before an optimizer that updates a later member's parameter)."""
+    groups: dict[int, list[_Member]] = {}
+    for m in members:
+        groups.setdefault(phases[m.issue], []).append(m)
+    return list(groups.values())
+
+
 def _kind(m: _Member) -> tuple:
     """Members merge only with others on the same process group (the same mesh dim) and the
     same divisor."""
@@ -122,13 +144,31 @@ def _buckets(members: list[_Member], cap: int, first_cap: int, depends_on,
 
 
 def _plan(graph: fx.Graph, members: list[_Member], cap: int, first_cap: int,
-          own_cap: int | None, strict: bool = False) -> list[list[_Member]]:
+          own_cap: int | None, strict: bool = False, at_last: bool = False) -> list[list[_Member]]:
     """The buckets of ``members`` (one dtype), in graph order; the members that keep their own
-    collective (see ``_own_collectives``) are in none."""
-    depends_on = _dependency_check(graph, members)
+    collective (see ``_own_collectives``) are in none. ``at_last``: a bucket goes where its
+    last member's collective was, so no member may be read before that (an optimizer stepping
+    between two backward calls reads the first backward's gradients)."""
+    reads = _dependency_check(graph, members)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def depends_on(m: _Member, others: list[_Member]) -> bool:
+        return reads(m, others) or at_last and any(
+            order[u] < order[m.issue] for o in others for u in _readers(o.wait))
+
     plan = lambda ms: _buckets(ms, cap, first_cap, depends_on, strict)  # noqa: E731
     own = _own_collectives(members, own_cap, plan)
     return plan([m for i, m in enumerate(members) if i not in own])
+
+
+def _readers(wait: fx.Node) -> list[fx.Node]:
+    """What reads a collective's result: its users, and through an all_reduce of it over the
+    next mesh dim (hybrid sharding's, merged with the bucket) that one's readers."""
+    out = []
+    for u in wait.users:
+        chained = _chained_all_reduce(wait) if u.target is c10d.all_reduce.default else None
+        out += _readers(chained[1]) if chained else [u]
+    return out
 
 
 def _dependency_check(graph: fx.Graph, members: list[_Member]):
@@ -198,15 +238,16 @@ def bucket_collectives(
     ):
         limits = (int(memory_cap * MB),) * 2 + (True,) if memory_cap else (cap, first_cap, False)
         for members in _by_dtype(_members(graph, target)):
-            for bucket in _plan(graph, members, *limits[:2], own_cap, limits[2]):
+            for bucket in _plan(graph, members, *limits[:2], own_cap, limits[2], at_last=True):
                 merge(graph, bucket, index)
                 index += 1
     index = _bucket_plan_all_reduces(graph, cap, first_cap, index)
     limits = (int(gather_cap_mb * MB),) * 2 + (True,) if gather_cap_mb else (cap, cap, False)
+    phases = _optimizer_phases(graph)
     for region in (meta.Region.FORWARD, meta.Region.BACKWARD):
         gathers = [m for m in _members(graph, c10d.all_gather_into_tensor.default)
                    if m.issue.meta.get(meta.REGION) == region]
-        for members in _by_dtype(gathers):
+        for members in (g for ms in _by_dtype(gathers) for g in _by_phase(ms, phases)):
             for bucket in _plan(graph, members, *limits[:2], own_cap, limits[2]):
                 _merge_all_gather(graph, bucket, index)
                 index += 1

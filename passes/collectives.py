@@ -61,3 +61,29 @@ def joined(tensor: torch.Tensor, *waited: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself: a graph node that reads ``waited`` (the waits of collectives writing
     into ``tensor``) so that its users run after all of them."""
     return tensor
+
+
+# In-place ops through which ``.grad`` carries a gradient on to the next backward (autograd's
+# accumulation, ``zero_grad(set_to_none=False)``); everything else that uses a gradient reads it.
+_ZEROINGS = {aten.zero_.default, aten._foreach_zero_.default, aten.detach_.default}
+
+
+def carries_gradient_on(user: fx.Node, grad: fx.Node) -> bool:
+    """Does ``user`` carry the gradient ``grad`` on to a later backward (autograd adding the next
+    backward's gradient to it, or ``zero_grad(set_to_none=False)`` zeroing it in place) rather
+    than read it?"""
+    if user.target in (aten.add_.Tensor, aten.add.Tensor):
+        return user.args[0] is grad and user.meta.get(meta.REGION) == meta.Region.BACKWARD
+    if user.target in _ZEROINGS:
+        first = user.args[0]
+        return first is grad or (isinstance(first, (list, tuple)) and grad in first)
+    return False
+
+
+def mutates(user: fx.Node, value: fx.Node) -> bool:
+    """Does ``user`` (an in-place op) write ``value``, its first argument or in its first list?"""
+    schema = getattr(user.target, "_schema", None)
+    if not (schema and schema.is_mutable and user.args):
+        return False
+    first = user.args[0]
+    return first is value or (isinstance(first, (list, tuple)) and value in first)

@@ -27,7 +27,9 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from . import meta
 from .subgraph import insert_traced
-from .collectives import aten, c10d, collective_meta, finish_reduction, to_dtype, waited
+from .collectives import (
+    aten, c10d, carries_gradient_on, collective_meta, finish_reduction, mutates, to_dtype, waited,
+)
 from .fully_shard import (
     ShardingError,
     micro_batch_parts,
@@ -54,7 +56,8 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
                          broadcast_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
                          divide_after_sum: bool = False, sync_grads: bool = True,
                          accumulate_cap_bytes: int | None = None,
-                         divide_factor: float | None = None) -> fx.GraphModule:
+                         divide_factor: float | None = None,
+                         reduce_unread: bool = True) -> fx.GraphModule:
     """Insert the collectives of the parameter layout ``layout`` (one MeshDim per mesh dim,
     outermost first).
 
@@ -74,7 +77,9 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
     divided instead of each rank's gradient (FSDP2's ``ReduceOp.AVG`` order). ``divide_factor``
     replaces the mesh's rank count as the divisor (FSDP2's ``set_gradient_divide_factor``).
     ``sync_grads=False`` (a step that only accumulates gradients) inserts no gradient
-    collective. Under a 1-D shard layout, gradients accumulated over micro-batches in the step
+    collective; ``reduce_unread=False`` (no gradient is kept after the step) none for a final
+    gradient nothing in the step reads (a discriminator's gradients from the generator's
+    backward). Under a 1-D shard layout, gradients accumulated over micro-batches in the step
     (an ``add_`` chain per parameter) are summed unsharded and reduce-scattered once while their
     full-size bytes stay within ``accumulate_cap_bytes`` (None: no limit); beyond it each
     micro-batch's gradient is reduce-scattered and the shards are summed (FSDP2's default). The
@@ -100,7 +105,7 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
             reduce_scatter_parts(graph, grad, parts, shard[0].size, shard[0].group_name,
                                  reduce_dtype, divide_after_sum, divide_factor)
         _reduce_gradients(graph, layout, set(sharded), reduce_dtype, divide_after_sum,
-                          divide_factor)
+                          divide_factor, reduce_unread)
     gm.recompile()
     if shard:
         reduce_optimizer_partials(gm, shard[0].group_name, shard[0].size)
@@ -133,16 +138,23 @@ def _accumulation_choice(gm: fx.GraphModule, layout: Sequence[MeshDim], sharded:
 
 def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[str],
                       reduce_dtype: torch.dtype | None, divide_after_sum: bool,
-                      divide_factor: float | None = None) -> None:
+                      divide_factor: float | None = None, reduce_unread: bool = True) -> None:
     """Average every GRAD node over the mesh: divide by the number of ranks (or, with
     ``divide_after_sum``, the sum), then per mesh dim from the innermost, ``reduce_scatter``
     (a parameter sharded on that dim: the padded gradient becomes this rank's shard) or
     ``all_reduce``; in ``reduce_dtype`` when given (cast back to the gradient's dtype after).
-    ``divide_factor`` (when given) is the divisor instead of the number of ranks."""
+    ``divide_factor`` (when given) is the divisor instead of the number of ranks; without
+    ``reduce_unread`` a gradient nothing reads is left alone."""
     ranks = divide_factor or math.prod(d.size for d in layout)
-    for grad in [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]:
+    grads = [n for n in graph.nodes if n.meta.get(meta.ROLE) == meta.Role.GRAD]
+    last = {g.meta[meta.PARAM_FQN]: g for g in grads}  # several backward calls: the final one
+    reduced = [g for g in grads if reduce_unread or g.users]
+    if not reduce_unread:
+        _drop_unread_accumulations([last[f] for f in last if last[f] not in reduced])
+    for grad in reduced:
         fqn = grad.meta[meta.PARAM_FQN]
-        users = list(grad.users)
+        users = list(grad.users) if last[fqn] is grad else _readers(
+            grad, fqn in sharded, read_later=any(g is last[fqn] for g in reduced))
         val = grad.meta["val"]
         cast = reduce_dtype is not None and reduce_dtype != val.dtype
         world = next(d.size for d in layout if d.placement.is_shard()) if fqn in sharded else None
@@ -173,9 +185,39 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
         x = finish_reduction(graph, x, users, divide_by=ranks if divide_after_sum else None,
                              dtype=val.dtype if cast else None)
         x.meta.update(placed)
-        x.meta[meta.SYNCED_GRAD] = fqn
+        if last[fqn] is grad:
+            x.meta[meta.SYNCED_GRAD] = fqn
         for u in users:
             u.replace_input_with(grad, x)
+
+
+def _drop_unread_accumulations(grads: list[fx.Node]) -> None:
+    """Erase the final accumulations nothing reads (a discriminator's gradients from the
+    generator's backward added to its own): their inputs become dead code."""
+    for grad in grads:
+        if grad.target in (aten.add_.Tensor, aten.add.Tensor) and not grad.users and (
+                grad.meta.get(meta.REGION) == meta.Region.BACKWARD):
+            grad.graph.erase_node(grad)
+
+
+def _readers(grad: fx.Node, sharded: bool, read_later: bool) -> list[fx.Node]:
+    """The uses of an earlier backward's gradient that read its average (an optimizer stepping
+    between two backward calls). Autograd's accumulation of the next backward's gradient goes
+    on in the local gradient, reduced once with the final one (the average of a sum is the sum
+    of the averages), unless a reader changes the gradient in place (clipping it): replicated,
+    the accumulation then adds to the changed average (which the next reduction leaves as it
+    is); sharded that cannot be, and is refused if the final gradient is ``read_later``."""
+    readers = [u for u in grad.users if not carries_gradient_on(u, grad)]
+    changed = [u for u in readers if mutates(u, grad)]
+    if changed and not sharded:
+        return list(grad.users)
+    if changed and read_later:
+        raise ShardingError(
+            f"{changed[0].target} changes a gradient in place ({grad.meta[meta.PARAM_FQN]}) that "
+            f"a later backward() adds to: sharded, the later gradient would not see the change. "
+            f"Call zero_grad() before that backward, or use replicate. User code: "
+            f"{changed[0].meta.get('stack_trace', '<unknown>')}")
+    return readers
 
 
 def mesh_dim_of(gm: fx.GraphModule, collective: fx.Node) -> int | None:

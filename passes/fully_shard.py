@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import meta
 from .subgraph import insert_traced
-from .collectives import aten, c10d, collective_meta, finish_reduction, to_dtype, waited
+from .collectives import aten, c10d, collective_meta, finish_reduction, mutates, to_dtype, waited
 from .extension_gathers import keep_recorded_gathers
 
 _VIEW_OR_CAST = {
@@ -104,7 +104,8 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
     PARAM (other than 0-d) and same-shaped OPT_STATE placeholders become padded dim-0 shards
     (meta val and PLACEMENT Shard(0)); ``all_gather`` + narrow before each parameter's first
     forward use, and with ``reshard_after_forward`` a second gather (and re-derived views) before
-    its first backward use. A parameter whose every use outside the optimizer is the same cast
+    its first backward use; a parameter updated in place between two forwards (an optimizer
+    stepping between two backward calls) is gathered so again after each update. A parameter whose every use outside the optimizer is the same cast
     (mixed precision's ``param_dtype``) is gathered in the cast dtype: the shard is cast before
     each gather, as FSDP2 does, and the gathered tensor replaces the casts. GATHERED parameters
     (their unshard recorded by the tracer) are sharded too; their gathers are the recorded ones
@@ -112,7 +113,6 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
     """
     graph = gm.graph
     world = world_size
-    order = {n: i for i, n in enumerate(graph.nodes)}
     params, gathered = _parameters(graph)
     param_shapes = {fqn: tuple(val.shape) for fqn, (_, val) in {**params, **gathered}.items()}
     for node in graph.nodes:
@@ -128,52 +128,72 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
             node.meta["val"] = shard_val(val, world)
             node.meta[meta.PLACEMENT] = Shard(0)
     keep_recorded_gathers(graph, reshard_after_forward)
-
+    order = {n: i for i, n in enumerate(graph.nodes)}  # (the uses of ``params`` keep their place)
     for fqn, (param, full_val) in params.items():
-        users = list(param.users)
-        compute = [u for u in users if u.meta.get(meta.REGION) != meta.Region.OPTIMIZER]
-        if not compute:
-            continue
-        forward = [u for u in compute if u.meta.get(meta.REGION) == meta.Region.FORWARD]
-        first = _first(forward or compute, order)
-        cast = _sole_cast(compute)
-        if cast is not None:
-            full_val = cast.meta["val"]
-        full = _gather(graph, param, full_val, world, group_name, first,
-                       first.meta.get(meta.REGION), fqn)
-        for u in compute:
-            if cast is not None:
-                u.replace_all_uses_with(full)
-                graph.erase_node(u)
-            else:
-                u.replace_input_with(param, full)
-        if cast is not None:
-            forward = [u for u in full.users if u.meta.get(meta.REGION) == meta.Region.FORWARD]
-        if not reshard_after_forward or not forward:
-            continue
-        derived = [full] + _forward_chain(full)
-        backward_users = {
-            u for d in derived for u in d.users
-            if u.meta.get(meta.REGION) == meta.Region.BACKWARD
-        }
-        if not backward_users:
-            continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        first_bwd = _first(backward_users, order)
-        again = {full: _gather(graph, param, full_val, world, group_name, first_bwd,
-                               meta.Region.BACKWARD, fqn)}
-        with graph.inserting_before(first_bwd):
-            for d in derived[1:]:
-                copy = graph.node_copy(d, lambda a: again.get(a, a))
-                copy.meta[meta.REGION] = meta.Region.BACKWARD
-                again[d] = copy
-        for u in backward_users:
-            for d in derived:
-                if d in u.all_input_nodes:
-                    u.replace_input_with(d, again[d])
+        for compute in _uses_between_updates(param, order):
+            _gather_uses(graph, param, full_val, compute, world, group_name, reshard_after_forward,
+                         fqn)
 
     return {**params, **gathered}
 
+
+def _uses_between_updates(param: fx.Node, order: dict) -> list[list[fx.Node]]:
+    """The parameter's uses outside the optimizer, split by the in-place updates of it (an
+    optimizer stepping between two forwards of a step with several backward calls): each part
+    reads the value the last update left, and is gathered anew."""
+    users = sorted(param.users, key=order.__getitem__)
+    parts: list[list[fx.Node]] = [[]]
+    for u in users:
+        if u.meta.get(meta.REGION) != meta.Region.OPTIMIZER:
+            parts[-1].append(u)
+        elif mutates(u, param) and parts[-1]:
+            parts.append([])
+    return [p for p in parts if p]
+
+
+def _gather_uses(graph: fx.Graph, param: fx.Node, full_val, compute: list[fx.Node], world: int,
+                 group_name: str, reshard_after_forward: bool, fqn: str) -> None:
+    """Gather ``param`` for the uses ``compute`` (all reading one value of it): before the first
+    forward use, and with ``reshard_after_forward`` again before the first backward use of what
+    the forward derived from it by views and casts."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    forward = [u for u in compute if u.meta.get(meta.REGION) == meta.Region.FORWARD]
+    first = _first(forward or compute, order)
+    cast = _sole_cast(compute)
+    if cast is not None:
+        full_val = cast.meta["val"]
+    full = _gather(graph, param, full_val, world, group_name, first,
+                   first.meta.get(meta.REGION), fqn)
+    for u in compute:
+        if cast is not None:
+            u.replace_all_uses_with(full)
+            graph.erase_node(u)
+        else:
+            u.replace_input_with(param, full)
+    if cast is not None:
+        forward = [u for u in full.users if u.meta.get(meta.REGION) == meta.Region.FORWARD]
+    if not reshard_after_forward or not forward:
+        return
+    derived = [full] + _forward_chain(full)
+    backward_users = {
+        u for d in derived for u in d.users
+        if u.meta.get(meta.REGION) == meta.Region.BACKWARD
+    }
+    if not backward_users:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_bwd = _first(backward_users, order)
+    again = {full: _gather(graph, param, full_val, world, group_name, first_bwd,
+                           meta.Region.BACKWARD, fqn)}
+    with graph.inserting_before(first_bwd):
+        for d in derived[1:]:
+            copy = graph.node_copy(d, lambda a: again.get(a, a))
+            copy.meta[meta.REGION] = meta.Region.BACKWARD
+            again[d] = copy
+    for u in backward_users:
+        for d in derived:
+            if d in u.all_input_nodes:
+                u.replace_input_with(d, again[d])
 
 
 def _parameters(graph: fx.Graph) -> tuple[dict, dict]:

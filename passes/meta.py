@@ -16,7 +16,9 @@ class Role(str, Enum):
     OPT_STATE = "opt_state"  # placeholder: one optimizer state tensor
     HPARAM = "hparam"  # placeholder: a lifted optimizer hyperparameter (float)
     INPUT = "input"  # placeholder: a leaf of the user's batch / other args
-    GRAD = "grad"  # the node holding a parameter's final accumulated gradient
+    # a parameter's gradient as a reader sees it: the final accumulated one, and one per
+    # earlier backward whose gradient something reads before a later backward adds to it
+    GRAD = "grad"
     COLLECTIVE = "collective"  # a functional collective or its wait
 
 
@@ -25,7 +27,7 @@ class Region(str, Enum):
 
     FORWARD = "forward"  # zero_grad, forward and loss
     BACKWARD = "backward"  # inside loss.backward()
-    OPTIMIZER = "optimizer"  # after backward: grad clipping, optim.step()
+    OPTIMIZER = "optimizer"  # after backward: grad clipping, optim.step() (each, with several)
 
 
 # Written by the tracer.

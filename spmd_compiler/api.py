@@ -40,6 +40,7 @@ from .runtime.dispatch import (
 )
 from .runtime.program import CompiledGraph, retain_host_memory
 from .runtime.signature import TracedStep
+from .runtime.step_modules import modules_of
 from .state import optimizer_state, saving
 from .state.eager import attach as attach_eager_use, refuse_bound
 from .state.placement import communication_failures, place_state
@@ -115,7 +116,7 @@ class CompiledStep:
         """The call's arguments split; a rejection is told to the other ranks, then raised."""
         mode = self.parallel_mode
         try:
-            return split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims)
+            return split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, self.fn)
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
                 refuse_call(self._carrier, self.mesh, args, kwargs, len(self._programs), e)
@@ -197,10 +198,15 @@ def _obtain(step: CompiledStep, sa: StepArgs, mesh, group, stored, build: Callab
     if stored is None and step.check_ranks and dist.get_world_size(group) > 1:
         return shared_compile.build_jointly(step, sa, mesh, group, dynamic,
                                             options=_cache_options(step),
-                                            check=lambda: refuse_bound(sa.module), build=build,
+                                            check=lambda: _refuse_bound(sa), build=build,
                                             fits=lambda ready: _fits(step, ready, sa))
-    refuse_bound(sa.module)
+    _refuse_bound(sa)
     return (stored if stored is not None else build()), None
+
+
+def _refuse_bound(sa: StepArgs) -> None:
+    for module in modules_of(sa.module):
+        refuse_bound(module)
 
 
 def _save(step: CompiledStep, disk: tuple[str, str], received, sa: StepArgs, entry, ready) -> None:
@@ -277,7 +283,8 @@ def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> N
         return
     place_state(sa.module, sa.optimizers, mesh, mode.parallel_style in SHARDED_STYLES,
                 mode.param_init_fn, torch.device(mesh.device_type))
-    attach_eager_use(sa.module, mesh)  # model(x), generate(), load_state_dict outside the step
+    for module in modules_of(sa.module):  # model(x), generate(), load_state_dict outside the step
+        attach_eager_use(module, mesh)
     if not has_plan(sa.module):  # a plan's state dicts keep DTensors, as eager TP's do
         saving.attach(sa.module, sa.optimizers, mode.parallel_style in SHARDED_STYLES)
 
@@ -341,7 +348,7 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     else:
         dims = [("explain", world_size or 2)]
     sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
-                         step.parallel_mode.dynamic_dims)
+                         step.parallel_mode.dynamic_dims, step.fn)
     program = build_program(step.fn, sa, build_options(step, dims, mesh=mesh))
     runnable = program.runnable
     created = sorted({k for _, k in program.final_traced.new_state_keys})

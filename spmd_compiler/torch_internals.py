@@ -509,9 +509,13 @@ def mark_stepped(opt: torch.optim.Optimizer) -> None:
 
 
 @contextlib.contextmanager
-def tag_regions(key: str, forward, backward):
+def tag_regions(key: str, forward, backward, optimizer):
     """While recording: nodes recorded before and inside ``torch.autograd.backward`` (what
-    ``loss.backward()`` calls) get ``meta[key]`` ``forward`` and ``backward`` (where unset)."""
+    ``loss.backward()`` calls) get ``meta[key]`` ``forward`` and ``backward``, and nodes recorded
+    after a backward up to the end of an optimizer's ``step()`` get ``optimizer`` (where unset):
+    a step with several backward calls (a GAN) has a region of each kind per backward."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     original = torch.autograd.backward
 
     def tag(region):
@@ -526,8 +530,13 @@ def tag_regions(key: str, forward, backward):
         tag(backward)
         return result
 
-    with _swapped(torch.autograd, "backward", recorded_backward):
-        yield
+    handle = register_optimizer_step_post_hook(
+        lambda *_: tag(optimizer))
+    try:
+        with _swapped(torch.autograd, "backward", recorded_backward):
+            yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager

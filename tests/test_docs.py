@@ -111,6 +111,7 @@ LOCAL = {
 RANKS = {
     ("README.md", "import torch"): ((), ""),
     ("docs/user_guide.md", "import torch"): ((), ""),
+    ("docs/user_guide.md", "import copy"): ((), ""),
     ("docs/fully_shard.md", 'with torch.device("meta"):'): ((), ""),
     ("docs/training_features.md", "from torch.distributed.fsdp import MixedPrecisionPolicy"): ((), ""),
     ("docs/training_features.md", '@spmd_compile(DataParallel("fully_shard"))'): ((), ""),

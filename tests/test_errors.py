@@ -96,12 +96,20 @@ def _no_optimizer_step(model, batch):
     return loss
 
 
+def _stray_optimizer(model, opt, batch):
+    """An optimizer that also holds the parameters of a module the step does not receive."""
+    other = nn.Linear(8, 8)
+    return model, torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1), batch
+
+
 SIGNATURE_ERRORS = {  # case -> (step, its arguments given (model, opt, batch), words of the message)
     "no_module": (_no_module_step, lambda model, opt, batch: (opt, batch),
-                  ["exactly one torch.nn.Module", "found 0"]),
-    "two_modules": (_two_module_step, lambda model, opt, batch: (model, nn.Linear(8, 8), opt, batch),
-                    ["exactly one torch.nn.Module", "found 2", "SimpleMLP", "Linear",
-                     "Wrap"]),  # Wrap: says how to fix it
+                  ["torch.nn.Module", "none found"]),
+    "same_module_twice": (_two_module_step, lambda model, opt, batch: (model, model, opt, batch),
+                          ["same module", "SimpleMLP", "'model'", "'other'", "twice"]),
+    "optimizer_holds_a_parameter_of_no_module": (
+        train_step, _stray_optimizer,
+        ["optimizer 0", "SGD", "shape (8, 8)", "no module passed to the step"]),
     "no_optimizer": (_no_optimizer_step, lambda model, opt, batch: (model, batch),
                      ["torch.optim.Optimizer", "none found"]),
 }

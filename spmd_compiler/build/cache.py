@@ -283,7 +283,7 @@ def program_key(*, fn: Callable, sa: StepArgs, dynamic_dims: dict[int, tuple[int
         "inputs": [_input_structure(sa, i, b, dynamic_dims.get(i, ()))
                    for i, b in zip(sa.input_indices, sa.batch_dims)],
         "constants": [fp.value(x) for j, x in enumerate(sa.leaves)
-                      if j not in sa.input_indices and j != sa.module_index
+                      if j not in sa.input_indices and j not in sa.module_indices
                       and j not in sa.optimizer_indices],
     }
     return hashlib.sha256(repr(parts).encode()).hexdigest()

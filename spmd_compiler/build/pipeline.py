@@ -192,7 +192,7 @@ def _expand(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
             broadcast_buffers=mode.broadcast_buffers, reduce_dtype=reduce_dtype_of(mode.mp_policy),
             divide_after_sum=mode.divide_gradients == "after",
             divide_factor=mode.gradient_divide_factor,
-            sync_grads=b.options.accumulation != ACCUMULATE,
+            sync_grads=b.options.accumulation != ACCUMULATE, reduce_unread=mode.keep_grads,
             accumulate_cap_bytes=int((mode.reduce_cap_mb or 0) * 2**20))
     except ShardingError as e:
         raise UnsupportedError(str(e)) from e

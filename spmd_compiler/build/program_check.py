@@ -75,7 +75,7 @@ def describe_program(sa: StepArgs, graph: dict[str, Any],
     ]
     constants = [
         _ADDRESS.sub("", repr(x)) for j, x in enumerate(sa.leaves)
-        if j not in sa.input_indices and j != sa.module_index and j not in sa.optimizer_indices
+        if j not in sa.input_indices and j not in sa.module_indices and j not in sa.optimizer_indices
     ]
     return {
         "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)

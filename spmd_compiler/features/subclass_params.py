@@ -335,7 +335,7 @@ def _to_param_grad(param: torch.Tensor, fqn: str, grad_nodes: dict) -> Callable:
         else:
             plain = g.detach()
         param.grad = plain if param.grad is None else param.grad + plain
-        grad_nodes[fqn] = _node(param.grad)
+        grad_nodes.setdefault(fqn, []).append(_node(param.grad))
 
     return hook
 

@@ -11,12 +11,13 @@ was seen: same leaves, same order, the same spec object, its text printed once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..errors import BatchDimError, StepSignatureError
 from ..torch_internals import marked_dynamic_dims, pytree
+from .step_modules import argument_names, held_state, step_root
 
 _SPECS: dict[tuple, Any] = {}  # the shape of the arguments (``_shape``) -> its TreeSpec
 _TEXTS: dict[int, tuple[Any, str]] = {}  # id(spec) -> (spec, str(spec)), the spec kept alive
@@ -79,11 +80,13 @@ LIFTED_HPARAMS = ("lr",)
 class StepArgs:
     """The step's arguments, split into what the compiler treats differently."""
 
+    # the step's module, or the root holding its several modules by argument name
+    # (runtime/step_modules.py)
     module: torch.nn.Module
     optimizers: list[torch.optim.Optimizer]
     leaves: list[Any]  # flat leaves of (args, kwargs)
     spec: pytree.TreeSpec
-    module_index: int
+    module_indices: list[int]
     optimizer_indices: list[int]
     input_indices: list[int]  # positions in `leaves` of tensor inputs
     batch_dims: list[int | None]  # one per input
@@ -100,8 +103,10 @@ class StepArgs:
 
 
 def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
-                    dynamic_dims: Any = None) -> StepArgs:
-    """Find the module, the optimizer(s) and the batch leaves among the step's arguments.
+                    dynamic_dims: Any = None, fn: Callable | None = None) -> StepArgs:
+    """Find the module(s), the optimizer(s) and the batch leaves among the step's arguments.
+    Several modules (also inside tuples, lists and dicts) are held by one root, each named by
+    its argument in ``fn``'s signature (runtime/step_modules.py).
 
     ``dynamic_dims`` (an int, or a pytree of ints/None over the batch arguments) names a
     non-batch dim per input to trace as a symbolic size; so does ``torch._dynamo.mark_dynamic``
@@ -109,13 +114,21 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
     leaves, spec = flatten_step_args(args, kwargs)
     modules = [i for i, x in enumerate(leaves) if isinstance(x, torch.nn.Module)]
     optimizers = [i for i, x in enumerate(leaves) if isinstance(x, torch.optim.Optimizer)]
-    if len(modules) != 1:
-        found = ", ".join(type(leaves[i]).__name__ for i in modules) or "none"
+    held, holders = held_state(leaves)  # inside dataclass arguments
+    held_modules = [(j, path, m) for j, path, m in held if isinstance(m, torch.nn.Module)]
+    if not modules and not held_modules:
         raise StepSignatureError(
-            f"the step must receive exactly one torch.nn.Module among its arguments; found "
-            f"{len(modules)} ({found}). Wrap several modules in one parent module."
-        )
-    if not optimizers:
+            "the step must receive its torch.nn.Module(s) among its arguments (none found); the "
+            "compiled step places and records every module it receives.")
+    if len(modules) + len(held_modules) == 1:
+        root = leaves[modules[0]] if modules else held_modules[0][2]
+    else:
+        names = argument_names(fn, args, kwargs)
+        root = step_root([(names[i], leaves[i]) for i in modules]
+                         + [(f"{names[j]}.{path}", m) for j, path, m in held_modules])
+    optimizer_objects = [leaves[i] for i in optimizers] + [
+        o for _, _, o in held if isinstance(o, torch.optim.Optimizer)]
+    if not optimizer_objects:
         raise StepSignatureError(
             "the step must receive its torch.optim.Optimizer as an argument (none found); the "
             "compiled step records optimizer.step() together with forward and backward."
@@ -123,11 +136,11 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
     inputs = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     batch_dims = _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim)
     return StepArgs(
-        module=leaves[modules[0]],
-        optimizers=[leaves[i] for i in optimizers],
+        module=root,
+        optimizers=optimizer_objects,
         leaves=leaves,
         spec=spec,
-        module_index=modules[0],
+        module_indices=sorted(modules + holders),  # (a dataclass holding state is no constant)
         optimizer_indices=optimizers,
         input_indices=inputs,
         batch_dims=batch_dims,

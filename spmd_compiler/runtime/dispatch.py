@@ -180,7 +180,7 @@ def step_key(sa: StepArgs, accumulation: Any = None) -> tuple:
     for i, d in zip(sa.input_indices, sa.batch_dims):
         t = sa.leaves[i]
         inputs.append((t.dim(), d, t.dtype, t.device, t.requires_grad))
-    skip = {*sa.input_indices, sa.module_index, *sa.optimizer_indices}
+    skip = {*sa.input_indices, *sa.module_indices, *sa.optimizer_indices}
     constants = tuple(_hashable(x) for j, x in enumerate(sa.leaves) if j not in skip)
     return (
         ("module", id(module)), ("parameters", params), ("buffers", buffers),

@@ -26,6 +26,7 @@ from ..state.placement import (
     state_from_local,
 )
 from .signature import StepSignature, TracedStep
+from .step_modules import modules_of
 from ..features.subclass_params import inner_tensors
 from ..torch_internals import direct_op_calls, mark_stepped, pytree
 @dataclass
@@ -157,9 +158,10 @@ class CompiledGraph:
             for fqn in sig.kept_grads:  # free the last step's before this one makes new ones
                 params[fqn].grad = None
         else:
-            eager = sa.module.__dict__.get("_spmd_eager")
-            if eager is not None and eager.grads_written:  # an eager backward's, now stale
-                eager.clear_grads()
+            for module in modules_of(sa.module):
+                eager = module.__dict__.get("_spmd_eager")
+                if eager is not None and eager.grads_written:  # an eager backward's, now stale
+                    eager.clear_grads()
         return flat
 
 

@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from spmd_compiler.passes import meta
 from spmd_compiler.passes.cleanup import remove_profiler_nodes
+from spmd_compiler.passes.collectives import carries_gradient_on
 
 from . import fake_kernels  # noqa: F401  (Meta kernels the fused optimizers lack)
 from ..torch_internals import (
@@ -71,6 +72,7 @@ from ..features import tensor_parallel as tp
 from ..features.halo_conv import halo_convolution
 from ..runtime.call_args import (LIFTED_HPARAMS, StepArgs, group_input_values, group_inputs,
                                   split_step_args)
+from ..runtime.step_modules import modules_of
 from . import block_reuse
 from .reads import Reads, watching as watch_reads
 
@@ -173,7 +175,7 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
             mode = get_proxy_mode()
             tp.grad_as_planned(t)
             node = get_proxy_slot(tp.local_of(subclasses.plain_grad(t)), mode.tracer).proxy.node
-            grad_nodes[fqn] = node
+            grad_nodes.setdefault(fqn, []).append(node)
 
         return hook
 
@@ -247,7 +249,7 @@ def trace_step(
     INPUT_DYNAMIC_DIMS.
     """
     kwargs = kwargs or {}
-    sa = step_args or split_step_args(args, kwargs, input_batch_dim)
+    sa = step_args or split_step_args(args, kwargs, input_batch_dim, fn=fn)
     dynamic = _dynamic_dims_to_trace(sa, dynamic_dims or {})
     entangled: list[tuple[int, int, str]] = []
     while True:
@@ -334,12 +336,14 @@ class _ModuleState:
             buffer_fqn_of.setdefault(id(b), name)
         params = list({id(p): p for _, p in named_params}.values())
         buffers = list({id(b): b for _, b in named_buffers}.values())
-        if any(id(p) not in fqn_of for opt in sa.optimizers for g in opt.param_groups
-               for p in g["params"]):
-            raise StepSignatureError(
-                "the optimizer holds a parameter that is not a parameter of the step's module; "
-                "compile a step whose module owns every optimized parameter."
-            )
+        for k, opt in enumerate(sa.optimizers):
+            stray = [p for g in opt.param_groups for p in g["params"] if id(p) not in fqn_of]
+            if stray:
+                raise StepSignatureError(
+                    f"optimizer {k} ({type(opt).__name__}) holds a parameter of shape "
+                    f"{tuple(stray[0].shape)} that belongs to no module passed to the step; pass "
+                    f"every module whose parameters an optimizer updates as an argument of the "
+                    f"step.")
         states = [((fqn_of[id(p)], k), v) for opt in sa.optimizers for p, st in opt.state.items()
                   for k, v in st.items() if isinstance(v, torch.Tensor)]
         return _ModuleState(named_params, named_buffers, params, buffers, fqn_of, buffer_fqn_of,
@@ -413,7 +417,8 @@ class _StatelessStep:
         self.unfused = _groups_with_lifted_entries(lifted[0])
         self.reads, self.fuse, self.mp_policy, self.accumulation = (
             reads, fuse_optimizer, mp_policy, accumulation)
-        self.grad_nodes: dict[str, torch.fx.Node] = {}
+        # parameter -> the node of its ``.grad`` after each backward that accumulated into it
+        self.grad_nodes: dict[str, list[torch.fx.Node]] = {}
         self.created: list[tuple[str, str]] = []
         self.out_spec = None
         self.out_constants: dict[int, Any] = {}
@@ -435,25 +440,27 @@ class _StatelessStep:
             leaves[i] = t
         call_args, call_kwargs = pytree.tree_unflatten(leaves, sa.spec)
         fake_of = {id(p): fp for p, fp in zip(st.params, params)}
-        by_name = {n: fake_of[id(p)] for n, p in st.named_params}
+        by_name = {n: fake_of[id(p)] for n, p in _slots(sa.module, st.named_params)}
         buffer_of = {id(b): fb for b, fb in zip(st.buffers, buffers)}
-        by_name.update({n: buffer_of[id(b)] for n, b in st.named_buffers})
+        by_name.update({n: buffer_of[id(b)] for n, b in _slots(sa.module, st.named_buffers)})
         state_by_key = dict(zip([k for k, _ in st.states], states))
         trainable = [fp for fp in params if fp.requires_grad]
-        regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD)
+        regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD,
+                              meta.Region.OPTIMIZER)
         with _reparametrize_module(sa.module, by_name, strict=False), regions, \
                 refuse_reentrant_checkpoint(_reentrant_checkpoint_error), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse,
-            self.unfused), self.reads, compiling_forward(sa.module), cast_forward(sa.module, self.mp_policy), \
+            self.unfused), self.reads, _each_module(sa.module, compiling_forward,
+                                                    lambda m: cast_forward(m, self.mp_policy)), \
                 accumulating(sa.optimizers, sa.module, list(zip(trainable, grads)), self.accumulation), \
                 guards.substituted(*self.lifted[:2], lifted[self.lifted[2]:]), \
                 watch_side_effects(self.fn, sa.module, sa.optimizers, step_constants(sa),
                                    user_line_here, into=self.changed), \
-                subclasses.gathered_forward(
-                    sa.module, self.subclasses.hooked,
+                _each_module(sa.module, lambda m: subclasses.gathered_forward(
+                    m, self.subclasses.hooked,
                     {st.fqn_of[id(p)]: fp for p, fp in zip(st.params, params)},
                     self.subclasses.shard, self.mp_policy, self.grad_nodes,
-                    self.subclasses.described):
+                    self.subclasses.described)):
             out = self.fn(*call_args, **call_kwargs)
             grads_out = [fp.grad for fp in trainable] if self.accumulation == ACCUMULATE else []
             fqn_of_fake = {id(fp): st.fqn_of[id(p)] for p, fp in zip(st.params, params)}
@@ -484,6 +491,31 @@ class _StatelessStep:
                     self.created.append((fqn, k))
                     new_states.append(tp.local_of(v))
         return new_states
+
+
+def _slots(root: torch.nn.Module,
+           named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with one name per attribute slot: a submodule reachable by two paths (a layer
+    shared by two of the step's modules) is swapped once, so it is restored once."""
+    seen, out = set(), []
+    for name, t in named:
+        prefix, _, attr = name.rpartition(".")
+        slot = (id(root.get_submodule(prefix)), attr)
+        if slot not in seen:
+            seen.add(slot)
+            out.append((name, t))
+    return out
+
+
+@contextlib.contextmanager
+def _each_module(root: torch.nn.Module, *contexts: Callable):
+    """Each of ``contexts`` (a function of a module) entered for every module the step
+    received (``root``'s, runtime/step_modules.py)."""
+    with contextlib.ExitStack() as stack:
+        for module in modules_of(root):
+            for context in contexts:
+                stack.enter_context(context(module))
+        yield
 
 
 def _watched_objects(roots: dict) -> list:
@@ -658,14 +690,14 @@ def _lift_numbers(values: list, shape_env, hparams: list, hparam_values: list,
 
 
 def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_dims) -> None:
-    """Profiler nodes out, dtypes checked, the meta the passes read written; every trainable
-    parameter must have got a gradient."""
+    """Profiler nodes out, dtypes checked, the meta the passes read written; every parameter an
+    optimizer updates must have got a gradient."""
     remove_profiler_nodes(gm)
     tp.mark_plan_collectives(gm, tp.plan_groups(sa))
     _check_matmul_dtypes(gm)
     _annotate(gm, signature, sa, grad_nodes, dynamic_dims)
-    missing = [fqn for fqn in signature.params if fqn not in grad_nodes
-               and fqn in _trainable(sa)]
+    trainable = _trainable(sa)
+    missing = [fqn for fqn in signature.params if fqn not in grad_nodes and fqn in trainable]
     unused_plans = tp.planned_names(sa.module, missing)  # left unchanged, as in eager DTensor
     missing = [fqn for fqn in missing if fqn not in unused_plans]
     if missing:
@@ -676,7 +708,11 @@ def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynami
 
 
 def _trainable(sa: StepArgs) -> set[str]:
-    return {n for n, p in sa.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    """Names of the parameters an optimizer updates from their gradients (a module nothing
+    trains, an EMA copy that requires grad as timm's does, needs none)."""
+    optimized = {id(p) for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
+    return {n for n, p in sa.module.named_parameters(remove_duplicate=False)
+            if p.requires_grad and id(p) in optimized}
 
 
 def _hparam_conditions(shape_env, numbers: dict) -> tuple[str, ...]:
@@ -807,6 +843,16 @@ def _describe_trace_failure(e: Exception) -> str:
     return f"recording the step failed at {where}: {type(e).__name__}: {first_line}"
 
 
+def _gradients_read(gm, nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Of a parameter's ``.grad`` after each backward (in order), the ones the step reads: the
+    last, and each earlier one that something other than the next backward's accumulation uses
+    (an optimizer stepping between two backward calls). Micro-batches accumulated into one
+    gradient are read once, at the end."""
+    nodes = [n for n in dict.fromkeys(nodes) if n.graph is gm.graph]
+    return [n for k, n in enumerate(nodes) if k == len(nodes) - 1
+            or any(not carries_gradient_on(u, n) for u in n.users)]
+
+
 def _annotate(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_dims):
     """Write ROLE / PARAM_FQN / STATE_KEY / INPUT_* on placeholders (as the signature names
     them) and grads; REGION on all."""
@@ -830,8 +876,8 @@ def _annotate(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_di
         # unbatched inputs: this rank's own gradients
         n.meta.update({meta.ROLE: meta.Role.INPUT, meta.INPUT_BATCH_DIM: None,
                        meta.INPUT_DYNAMIC_DIMS: (), meta.INPUT_PATH: f"accumulated grad of {fqn}"})
-    for fqn, node in grad_nodes.items():
-        if node.graph is gm.graph:
+    for fqn, nodes in grad_nodes.items():
+        for node in _gradients_read(gm, nodes):
             node.meta[meta.ROLE] = meta.Role.GRAD
             node.meta[meta.PARAM_FQN] = fqn
     for n in gm.graph.nodes:

@@ -156,7 +156,7 @@ def step_constants(sa) -> list[tuple[str, Any]]:
     """(name, value) of the step's arguments that are neither tensors nor its module and
     optimizers (``sa``: runtime.call_args.StepArgs)."""
     return [(sa.leaf_name(j), x) for j, x in enumerate(sa.leaves) if j not in sa.input_indices
-            and j != sa.module_index and j not in sa.optimizer_indices]
+            and j not in sa.module_indices and j not in sa.optimizer_indices]
 
 
 def unwrapped(fn: Callable) -> Callable:
