@@ -187,7 +187,8 @@ class CompiledStep:
 def _compile(step: CompiledStep, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
     """Compile a new program; Adam's and AdamW's first-step state made first, so that their
     first call compiles the steady program (optimizer_state.py): one compile, not two."""
-    with optimizer_state.made_before_recording(sa.optimizers, bool(step._kept.mode)):
+    sharded = step.parallel_mode.parallel_style in SHARDED_STYLES and not has_plan(sa.module)
+    with optimizer_state.made_before_recording(sa.optimizers, bool(step._kept.mode), sharded):
         return step._compile(sa, mesh, key)
 
 

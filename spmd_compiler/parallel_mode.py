@@ -230,8 +230,8 @@ _COLLECTIVE_DTYPES = {
 
 def check_policy(policy, backend: str | None = None) -> None:
     """Raise a MixedPrecisionError for anything but a ``MixedPrecisionPolicy`` whose dtypes are
-    floating point and, under ``backend``, dtypes the backend can gather (``param_dtype``) and
-    reduce (the reduce dtype)."""
+    floating point and, under ``backend`` (at the first call), dtypes the forward can compute in
+    and the backend can gather (``param_dtype``) and reduce (the reduce dtype)."""
     if policy is None:
         return
     if not isinstance(policy, MixedPrecisionPolicy):
@@ -243,16 +243,35 @@ def check_policy(policy, backend: str | None = None) -> None:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise MixedPrecisionError(
                 f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype, got {dtype!r}")
-    supported = _COLLECTIVE_DTYPES.get(str(backend).lower()) if backend else None
-    if supported is None:
+    if not backend:
         return
+    supported = _COLLECTIVE_DTYPES.get(str(backend).lower())
     for field, dtype, what in (("param_dtype", policy.param_dtype, "all-gather"),
                                ("reduce_dtype", reduce_dtype_of(policy), "reduce")):
-        if dtype is not None and dtype not in supported:
+        if supported is not None and dtype is not None and dtype not in supported:
             raise MixedPrecisionError(
                 f"MixedPrecisionPolicy.{field}={dtype}: the {backend} backend cannot {what} "
                 f"{dtype} tensors (it supports {', '.join(map(str, supported))}); choose one of "
                 f"those")
+    _check_computable(policy)
+
+
+def _check_computable(policy) -> None:
+    """Raise a MixedPrecisionError for a ``param_dtype`` or ``output_dtype`` that the forward
+    and the loss cannot compute in: one with no type promotion (the float8 types: "Promotion
+    for Float8 Types is not supported")."""
+    for field in ("param_dtype", "output_dtype"):
+        dtype = getattr(policy, field)
+        if dtype is None:
+            continue
+        try:
+            torch.promote_types(dtype, torch.float32)
+        except RuntimeError as e:
+            raise MixedPrecisionError(
+                f"MixedPrecisionPolicy.{field}={dtype}: the model's outputs and the loss cannot "
+                f"be computed in {dtype} ({e}); use torch.bfloat16, torch.float16 or "
+                f"torch.float32 (float8 training goes through torchao's Float8Linear, whose "
+                f"weights the compiled step gathers in float8)") from None
 
 
 def reduce_dtype_of(policy) -> torch.dtype | None:

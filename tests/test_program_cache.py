@@ -113,6 +113,42 @@ def test_corrupt_files_are_ignored_and_rewritten(pool2, tmp_path):
         assert res["again"] == 1, f"rank {rank}: {res}"
 
 
+def misfit_program_job(cache_dir: str) -> dict:
+    """A validly signed stored program whose code does not fit the runtime (its ``forward``
+    lacks the ``agreement`` input) is not run: it is logged, compiled again and rewritten, and
+    the run after that loads the rewritten program."""
+    from spmd_compiler.build import cache
+
+    _train(train_step, _fresh(), cache_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:  # both ranks share the directory
+        for name in _programs(cache_dir):
+            program = cache.load(cache_dir, name[:-len(".program")])
+            start = program.code.index("def forward(")
+            end = program.code.index(":\n", start)
+            head = program.code[start:end]
+            assert head.endswith(", agreement)"), head
+            program.code = program.code[:start] + head.replace(", agreement)", ")") + \
+                program.code[end:]
+            cache.store(cache_dir, program)  # signed with this user's key, as a compile writes
+    dist.barrier()
+    misfit = _train(train_step, _fresh(), cache_dir)
+    reference = _train(train_step, _fresh(), None)
+    dist.barrier()
+    again = _train(train_step, _fresh(), cache_dir)
+    return dict(misfit=(misfit["compiles"], misfit["hits"]), again=again["hits"],
+                logged=[m for m in misfit["log"] if "agreement" in m],
+                correct=all(torch.equal(misfit["params"][n], reference["params"][n])
+                            for n in reference["params"]))
+
+
+def test_a_stored_program_that_does_not_fit_the_runtime_is_rebuilt(pool2, tmp_path):
+    for rank, res in enumerate(pool2.run(misfit_program_job, str(tmp_path), timeout=300)):
+        assert res["misfit"] == (1, 0) and res["correct"], f"rank {rank}: {res}"
+        assert res["again"] == 1, f"rank {rank}: {res}"
+        assert bool(res["logged"]) == (rank == 0), f"rank {rank}: {res}"  # logged on rank 0
+
+
 _MODEL_SOURCE = '''
 import torch.nn as nn
 

@@ -77,7 +77,8 @@ def _info(msg: str, *args) -> None:
     if os.environ.get("SPMD_LOG_ALL_RANKS") or not dist.is_initialized() or dist.get_rank() == 0:
         log.info(msg, *args)
 
-FORMAT = 4  # 3: HMAC-SHA256 under the user's key, value guards; 4: the Python statements replayed
+FORMAT = 5  # 3: HMAC-SHA256 under the user's key, value guards; 4: the Python statements replayed;
+# 5: conditions on the optimizers' lifted numbers
 _MAGIC = b"spmd-compiler-program\n"
 _KEY_FILE = ".spmd-key"
 
@@ -100,9 +101,9 @@ class StoredProgram:
 
 
 # Fields of TracedStep a stored program keeps (the graph itself and its ShapeEnv are not kept).
-_TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "out_constants",
+_TRACED_FIELDS = ("signature", "specialized", "specialized_hparams", "hparam_conditions", "out_constants",
                   "dynamic_dims", "static_sizes", "specialized_dims", "entangled", "source_files",
-                  "specialized_inputs", "value_guards", "replay")
+                  "specialized_inputs", "value_guards", "replay", "assignments")
 
 
 def cache_dir_from(option: str | None) -> str | None:
@@ -162,10 +163,12 @@ class Loaded:
     summary: Any
 
 
-def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs) -> Loaded | None:
-    """``program`` unpacked, if it can serve this call: its code compiles, its fields describe a
+def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs,
+           agreement: bool = True) -> Loaded | None:
+    """``program`` unpacked, if it can serve this call: its code compiles and takes the inputs
+    the runtime passes (``agreement``: the per-call agreement last), its fields describe a
     program for these arguments and its value guards hold on the current objects; else None,
-    logged."""
+    logged (the compile that follows rewrites the file)."""
     from ..trace import guards
     from .program_check import describe_program
 
@@ -174,6 +177,7 @@ def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs) -> Loaded 
     try:
         start = time.perf_counter()
         traced, runnable = unpack(program)
+        _check_inputs(runnable, traced.signature, agreement)
         seconds = {"loaded from cache": time.perf_counter() - start}
         if program.guard_code:
             compile(program.guard_code, "<shape guards>", "eval")
@@ -191,6 +195,20 @@ def usable(program: StoredProgram | None, fn: Callable, sa: StepArgs) -> Loaded 
         return None
     return Loaded(traced, runnable, program.guard_code, seconds, program.graph_description,
                   program.num_nodes, program.summary)
+
+
+def _check_inputs(runnable: functools.partial, sig, agreement: bool) -> None:
+    """Raise a TypeError unless the stored code's ``forward`` takes exactly the inputs the
+    runtime passes for ``sig`` (runtime.CompiledGraph: params, buffers, states, hparams, batch
+    inputs, accumulated gradients, workspaces, then the agreement when the ranks are checked):
+    a program that would fail at its first call is not used."""
+    names = list(inspect.signature(runnable.func).parameters)[1:]  # after ``self``
+    expected = (sum(sig.input_groups) + len(sig.inputs) + len(sig.grads_in)
+                + len(sig.workspaces) + agreement)
+    if len(names) != expected or (agreement and names[-1] != "agreement"):
+        raise TypeError(f"its forward takes {len(names)} inputs ({', '.join(names[-2:])} last); "
+                        f"the runtime passes {expected}"
+                        + (" with the per-call agreement last" if agreement else ""))
 
 
 def unsafe(path: str) -> str | None:
@@ -319,13 +337,13 @@ def _hooks(hooks: dict) -> list:
 
 
 def _optimizer_structure(opt: torch.optim.Optimizer, module: torch.nn.Module, fp: _Fingerprint):
-    from ..runtime.call_args import LIFTED_HPARAMS
+    from ..runtime.call_args import group_inputs
 
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     groups = [(sorted((k, fp.value(v)) for k, v in g.items()
-                      if k != "params" and k not in LIFTED_HPARAMS),
+                      if k != "params" and k not in group_inputs(g)),
                [names.get(id(p)) for p in g["params"]]) for g in opt.param_groups]
     state = sorted(
         (names.get(id(p), "?"), sorted((k, (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
@@ -503,7 +521,7 @@ def lookup(cache: tuple[str | None, str], sa: StepArgs, dynamic_dims: dict[int, 
             key = program_key(fn=fn, sa=sa, dynamic_dims=dynamic_dims, rank=dist.get_rank(group),
                               world_size=dist.get_world_size(group), group_name=group.group_name,
                               options=options)
-            found = usable(load(cache_dir, key), fn, sa)
+            found = usable(load(cache_dir, key), fn, sa, agreement=check_ranks)
         except Exception as e:  # noqa: BLE001 - the cache never stops a compile
             log.info("spmd_compiler: program cache lookup failed (%s); compiling", e)
     on, everyone_found = cache_dir is not None, found is not None

@@ -92,7 +92,7 @@ def eligible(step, sa: StepArgs, mesh) -> bool:
     return (step.check_ranks and step.backend == "eager" and not step.dump_dir
             and not step._kept.mode and mesh.ndim == 1 and not has_plan(sa.module)
             and not extension_key(sa.module) and not _rank_in_program(step, mesh)
-            and not may_change_python_state(step.fn, step_constants(sa)))
+            and not may_change_python_state(step.fn, step_constants(sa), sa.module))
 
 
 def _rank_in_program(step, mesh) -> bool:

@@ -1,5 +1,6 @@
 """One call's arguments: the module, the optimizers, the batch leaves (``StepArgs``,
-``split_step_args``), the lifted learning rates, flattened cheaply on every call.
+``split_step_args``), the lifted learning rates (and a momentum a scheduler cycles:
+``group_inputs``), flattened cheaply on every call.
 
 ``pytree.tree_flatten`` builds a new ``TreeSpec`` on every call, and the step key prints it
 (``spec_text``). A call whose arguments are leaves and plain tuples and lists (the usual
@@ -225,5 +226,29 @@ def _batch_dims_for_inputs(args, kwargs, leaves, inputs, input_batch_dim) -> lis
 
 
 def lifted_hparams(sa: StepArgs) -> list[float]:
-    """The values of the lifted hyperparameters (``lr`` of every param group), placeholder order."""
-    return [float(g["lr"]) for opt in sa.optimizers for g in opt.param_groups]
+    """The values of the lifted hyperparameters (``lr`` of every param group, and a momentum a
+    scheduler cycles: ``group_inputs``), placeholder order."""
+    return [v for opt in sa.optimizers for g in opt.param_groups
+            for v in ((float(g["lr"]),) if "max_momentum" not in g else group_input_values(g))]
+
+
+_CYCLED = ("momentum", "betas")
+
+
+def group_inputs(group: dict) -> tuple[str, ...]:
+    """The param-group entries every program reads as inputs, passed on every call: ``lr``,
+    and the momentum a scheduler cycles (OneCycleLR's and CyclicLR's ``cycle_momentum`` mark the
+    group with ``max_momentum``): ``momentum`` or ``betas``, unless the group asks for the fused
+    kernel, whose momentum is a float argument (then it is guarded: a change recompiles)."""
+    if "max_momentum" in group and "base_momentum" in group and not group.get("fused"):
+        return LIFTED_HPARAMS + tuple(k for k in _CYCLED if k in group)
+    return LIFTED_HPARAMS
+
+
+def group_input_values(group: dict) -> list[float]:
+    """The values of ``group_inputs(group)``, a tuple (``betas``) flattened."""
+    out = []
+    for key in group_inputs(group):
+        v = group[key]
+        out.extend(map(float, v) if isinstance(v, tuple) else (float(v),))
+    return out

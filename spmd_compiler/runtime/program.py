@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -44,6 +45,9 @@ class CompiledGraph:
 
     def __post_init__(self):
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
+        conditions = self.traced.hparam_conditions
+        self._conditions = compile(" and ".join(f"({c})" for c in conditions), "<hparam conditions>",
+                                   "eval") if conditions else None
         self._run = direct_op_calls(self.run)  # the same graph, its ops called directly
 
     @property
@@ -65,6 +69,9 @@ class CompiledGraph:
         for i, value in self.traced.specialized_hparams:
             if hparams[i] != value:
                 return False
+        if self._conditions is not None and not eval(self._conditions, {"math": math}, {
+                f"h{i}": v for i, v in enumerate(hparams)}):
+            return False
         for t, sizes in zip(inputs, self.traced.static_sizes):
             shape = t.shape
             for d, size in sizes:  # sizes the graph holds as constants; not in the guards
@@ -93,7 +100,8 @@ class CompiledGraph:
         (``checks_ranks_inside``; agreement.agreement_in_flight)."""
         sig = self.traced.signature
         params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
-        flat = self._bind(sa, mesh, self.with_lifted(hparams), accumulated, params)
+        numbers = self.with_lifted(hparams)
+        flat = self._bind(sa, mesh, numbers, accumulated, params)
         flat += WORKSPACES.buffers(sig.workspaces)
         if self.checks_ranks_inside:
             flat.append(agreement)
@@ -115,6 +123,8 @@ class CompiledGraph:
                 accumulated.clear()
         for fqn, g in zip(sig.kept_grads, outs.kept_grads):
             params[fqn].grad = grad_like(g, params[fqn], mesh)
+        if self.traced.assignments:  # numbers the step assigns outside its own lines
+            self.values.assign(self.traced.assignments, numbers)
         leaves = outs.user
         for j in sorted(self.traced.out_constants):
             leaves.insert(j, self.traced.out_constants[j])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from typing import Callable
 
 from ..torch_internals import pytree
@@ -18,6 +19,8 @@ def run_after(fn: Callable, statements: tuple[str, ...], sa) -> None:
     fn = getattr(fn, "__wrapped__", fn)  # the step under its decorator
     args, kwargs = pytree.tree_unflatten(sa.leaves, sa.spec)
     namespace = dict(_signature(fn).bind(*args, **kwargs).arguments)
+    if isinstance(fn, types.MethodType):  # a bound-method step: its instance by its name
+        namespace[fn.__code__.co_varnames[0]] = fn.__self__
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         namespace.setdefault(name, cell.cell_contents)
     for source in statements:

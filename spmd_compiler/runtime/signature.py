@@ -141,6 +141,15 @@ class TracedStep:
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves
     # statements of the step run again after every call (spmd_compiler/trace/replay.py)
     replay: tuple[str, ...] = ()
+    # Python conditions on the optimizers' lifted numbers the recording branched on (SGD's
+    # ``momentum != 0``), over ``h<index>``: the graph serves every value that satisfies them
+    hparam_conditions: tuple[str, ...] = ()
+    # (path, Python expression over h<index>) of lifted numbers assigned outside the step's own
+    # lines (a forward's counter), set after every call (trace/replay.plan_with_assignments)
+    assignments: tuple = ()
+    # a SideEffectError this recording could not avoid, raised unless a recording with the
+    # numbers the step writes lifted replaces it (trace/guards.record_lifting)
+    deferred_error: Any = None
 
     # The signature's parts under their earlier names.
     param_fqns = property(lambda self: list(self.signature.params))

@@ -41,16 +41,19 @@ def _eligible(opt) -> bool:
 
 
 @contextlib.contextmanager
-def made_before_recording(optimizers, accumulating: bool):
+def made_before_recording(optimizers, accumulating: bool, sharded: bool = False):
     """Make the first-step state of each proven optimizer without state (not for a ``no_sync``
-    call, which does not step); removed again if the block raises."""
+    call, which does not step); removed again if the block raises. ``sharded``: the state will
+    live as dim-0 shards (fully_shard), so a state of the parameter's shape is made as a zero
+    that holds no memory (an expanded 0-d zero) and placing it makes only this rank's shard;
+    the recording reads only its shape and dtype."""
     made = []
     if not accumulating:
         for opt in filter(_eligible, optimizers):
-            params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-            with torch.no_grad(), _grads_present(params):
-                for group in opt.param_groups:
-                    torch_internals.init_adam_state(opt, group)
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad:
+                        _init_one(opt, group, p, sharded)
             made.append(opt)
     try:
         yield
@@ -58,6 +61,19 @@ def made_before_recording(optimizers, accumulating: bool):
         for opt in made:
             opt.state.clear()
         raise
+
+
+def _init_one(opt, group: dict, p: torch.Tensor, sharded: bool) -> None:
+    """``p``'s state, made by the optimizer's own initialisation for a group of ``p`` alone (one
+    parameter's worth of temporaries at a time); with ``sharded``, its full-size tensors
+    replaced by expanded zeros."""
+    with torch.no_grad(), _grads_present([p]):
+        torch_internals.init_adam_state(opt, {**group, "params": [p]})
+    if sharded:
+        state = opt.state[p]
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape:
+                state[k] = torch.zeros((), dtype=v.dtype, device=v.device).expand(v.shape)
 
 
 @contextlib.contextmanager

@@ -94,7 +94,8 @@ def to_dtensor(full: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> tuple[DT
         return DTensor.from_local(local, mesh, param_placements(mesh, False), run_check=False), local
     dt = DTensor.from_local(
         local, mesh, param_placements(mesh, True), run_check=False, shape=torch.Size(layout.shape),
-        stride=full.stride() if full.is_contiguous() else None,
+        stride=full.stride() if full.is_contiguous() else  # (an expanded zero: contiguous)
+        torch.empty(layout.shape, device="meta").stride(),
     )
     return dt, buffer
 
@@ -207,9 +208,9 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
         _rekey_optimizers(optimizers, seen, mesh)
         return
     whole_states(optimizers, plain)  # DTensor state of parameters made plain again
-    states = [
+    states = [  # (an expanded zero, optimizer_state.py, is the same on every rank)
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
-        if isinstance(v, torch.Tensor)
+        if isinstance(v, torch.Tensor) and not (v.dim() and 0 in v.stride() and v.numel() > 1)
     ]
     broadcast_from_first([x.detach() for t in plain + list(module.buffers()) + states
                           for x in inner_tensors(t)], mesh)

@@ -45,6 +45,7 @@ import contextlib
 import dis
 import functools
 import logging
+import math
 import os
 import sys
 import sysconfig
@@ -54,6 +55,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..runtime.call_args import group_inputs
 from ..runtime.dispatch import is_plain
 from .reads import expanded, functions_of, is_user_file, resolve
 
@@ -99,6 +101,7 @@ class ValueGuard:
     value: Any  # at recording
     where: str  # the line that read it
     lifted: bool = False  # a program input: its value is passed on every call, not compared
+    written: bool = False  # the step also assigns it (replayed after each call): lift it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,8 +256,19 @@ class ValueGuards:
         self.hold = _checker(checked)
 
     def lifted_values(self) -> list:
-        """The current values of the program's lifted inputs, in placeholder order."""
-        return [mapping.get(key) for mapping, key in self._lifted]
+        """The current values of the program's lifted inputs, in placeholder order (a tuple's
+        entries one by one)."""
+        return flat_numbers([mapping.get(key) for mapping, key in self._lifted])
+
+    def assign(self, assignments: tuple, numbers: list) -> None:
+        """Set each lifted value ``assignments`` names ((path, Python expression over
+        ``h<index>``), runtime.signature.TracedStep) to the expression's value for this call's
+        ``numbers`` (the program's lifted inputs)."""
+        slots = dict(zip([g.path for g in self.guards if g.lifted], self._lifted))
+        h = {f"h{i}": v for i, v in enumerate(numbers)}
+        for path, code in assignments:
+            mapping, key = slots[path]
+            mapping[key] = eval(_compiled(code), {"math": math}, h)  # noqa: S307
 
     def changed(self) -> list[tuple[ValueGuard, Any]]:
         """(guard, current value) of every guard that fails."""
@@ -282,14 +296,34 @@ def _checker(checked: list[tuple]) -> Callable[[], bool]:
     return namespace["hold"]
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(code: str):
+    return compile(code, "<spmd_compiler lifted assignment>", "eval")
+
+
 def describe_changes(changes: list[tuple[ValueGuard, Any]]) -> str:
     return "; ".join(f"{g.name} changed {g.value!r} -> {now!r} (read at {g.where})"
                      for g, now in changes)
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, _NUMBERS) and not isinstance(v, bool)
+
+
+def _liftable(v) -> bool:
+    """A number, or a short tuple of numbers (an optimizer's ``betas``)."""
+    return _is_number(v) or (type(v) is tuple and 0 < len(v) <= 4 and all(map(_is_number, v)))
+
+
+def flat_numbers(values: Iterable) -> list:
+    """``values`` with each tuple replaced by its entries (one program input each)."""
+    return [x for v in values for x in (v if isinstance(v, tuple) else (v,))]
+
+
 class LiftPolicy:
     """Which numbers a step's next recording takes as program inputs: those whose guard failed
-    (a value that changed once may change again), unless a recording had to keep them constant."""
+    (a value that changed once may change again; a tuple of numbers, as ``betas``, entry by
+    entry), unless a recording had to keep them constant."""
 
     def __init__(self):
         self.lift: list[tuple] = []
@@ -299,8 +333,9 @@ class LiftPolicy:
         for g, now in changes:
             if g.path[-1][0] not in ("attr", "item", "cell"):
                 continue  # a length, an environment variable: compared, never an input
-            numbers = all(isinstance(v, _NUMBERS) and not isinstance(v, bool) for v in (g.value, now))
-            if numbers and g.path not in self.constant and g.path not in self.lift:
+            same_kind = _liftable(g.value) and _liftable(now) and (
+                type(g.value) is not tuple or (type(now) is tuple and len(now) == len(g.value)))
+            if same_kind and g.path not in self.constant and g.path not in self.lift:
                 self.lift.append(g.path)
 
     def keep_constant(self, paths: Iterable[tuple]) -> None:
@@ -311,12 +346,13 @@ class LiftPolicy:
 
 
 def lifted_numbers(paths: Iterable[tuple], roots: dict) -> list:
-    """The current values at ``paths``; LookupError unless each is an int or a float."""
+    """The current values at ``paths``; LookupError unless each is an int, a float or a short
+    tuple of them."""
     out = []
     for p in paths:
         mapping, key = slot(p, roots)
         v = mapping.get(key, _MISSING)
-        if not isinstance(v, _NUMBERS) or isinstance(v, bool):
+        if not _liftable(v):
             raise LookupError(f"{_name_of(p)} is no longer a number")
         out.append(v)
     return out
@@ -325,19 +361,22 @@ def lifted_numbers(paths: Iterable[tuple], roots: dict) -> list:
 def specialized_lifts(traced) -> list[tuple]:
     """Paths of the lifted numbers that the recording used as constants after all (it guarded
     their symbol: a size, a branch, a float argument): the program compares them instead."""
-    lifted = [g.path for g in traced.value_guards if g.lifted]
-    first = traced.num_hparams - len(lifted)
-    return [lifted[i - first] for i, _ in traced.specialized_hparams if i >= first]
+    owner = [g.path for g in traced.value_guards if g.lifted
+             for _ in (g.value if isinstance(g.value, tuple) else (g.value,))]
+    first = traced.num_hparams - len(owner)
+    return list(dict.fromkeys(owner[i - first] for i, _ in traced.specialized_hparams if i >= first))
 
 
 @contextlib.contextmanager
 def substituted(paths: list[tuple], roots: dict, values: list):
-    """While recording: the value at each of ``paths`` is the symbolic number in ``values``."""
+    """While recording: the value at each of ``paths`` is the symbolic number in ``values`` (a
+    tuple: as many of them as it has entries)."""
     slots = [slot(p, roots) for p in paths]
     saved = [mapping.get(key, _MISSING) for mapping, key in slots]
     try:
-        for (mapping, key), v in zip(slots, values):
-            mapping[key] = v
+        rest = iter(values)
+        for (mapping, key), old in zip(slots, saved):
+            mapping[key] = tuple(next(rest) for _ in old) if isinstance(old, tuple) else next(rest)
         yield
     finally:
         for (mapping, key), v in zip(slots, saved):
@@ -396,6 +435,7 @@ class _Collector:
         self.guards: dict[tuple, ValueGuard] = {}
         self.names: set[str] = set()
         self.stored: set[str] = set()
+        self.user_stored: set[str] = set()  # of those, assigned by the user's code
         self._seen_objects: set[int] = set()
         self._reached: set = set()  # code objects whose closure cells are guarded by a path
         self._model_modules = {id(m) for m in roots[("model",)].modules()}
@@ -418,6 +458,7 @@ class _Collector:
         # names the code that ran assigns (self.n += 1, global n): state the step writes, which
         # spmd_compiler/trace/side_effects.py replays after each call; not a constant to guard
         self.stored = set().union(*(_stored_names(c) for c in self.codes))
+        self.user_stored = set().union(*(_stored_names(c) for c in user))
         if self.reads is not None:
             self.stored |= {r.name for r in self.reads.attrs if r.write}
 
@@ -433,8 +474,9 @@ class _Collector:
             self._closure(fn, fn.__qualname__, (("fn",),), 1)
         for k, opt in enumerate(sa.optimizers):
             for gi, group in enumerate(opt.param_groups):
+                inputs = group_inputs(group)
                 for key, v in group.items():
-                    if key not in ("params", "lr") and is_plain(v):
+                    if key != "params" and key not in inputs and is_plain(v):
                         self._add(f"optimizer {k} param_groups[{gi}][{key!r}]",
                                   (("optimizer", k), ("group", gi), ("item", key)), v, key,
                                   where=f"{type(opt).__qualname__}.step()")
@@ -592,10 +634,13 @@ class _Collector:
                          "between ranks nor cached)", what, where)
 
     def _add(self, name: str, path: tuple, value, attr: str, where: str | None = None) -> None:
-        if path[0][0] not in ("optimizer", "environ") and attr in self.stored:
-            return
+        written = path[0][0] not in ("optimizer", "environ") and attr in self.stored
+        if written and (attr not in self.user_stored or not isinstance(value, _NUMBERS)
+                        or isinstance(value, bool)):
+            return  # state the step (or a library it calls) writes, replayed only
         if path not in self.guards:
-            self.guards[path] = ValueGuard(name, path, value, where or self._where(attr, path))
+            self.guards[path] = ValueGuard(name, path, value, where or self._where(attr, path),
+                                           written=written)
 
     def _where(self, attr: str, path: tuple = ()) -> str:
         if self.reads is not None:
@@ -675,11 +720,23 @@ def record_lifting(policy: LiftPolicy | None, record: Callable[[list], Any]):
             "spmd_compiler: recording with %s as inputs failed (%s); recording them as constants",
             ", ".join(describe_paths(lift)), str(e).splitlines()[0] if str(e) else type(e).__name__)
         policy.keep_constant(lift)
-        return record([])
+        return _settled(record([]))
     constant = specialized_lifts(traced) if lift else []
     if constant:
         policy.keep_constant(constant)
-        return record(list(policy.lift))
+        return _settled(record(list(policy.lift)))
+    written = [g.path for g in traced.value_guards if g.written and not g.lifted
+               and g.path not in policy.constant] if policy is not None else []
+    if written:  # a number the step writes and reads: an input from the first program on
+        policy.lift += written
+        return record_lifting(policy, record)
+    return _settled(traced)
+
+
+def _settled(traced):
+    """``traced``, unless the Python state it changes cannot be repeated (raised now)."""
+    if traced.deferred_error is not None:
+        raise traced.deferred_error
     return traced
 
 

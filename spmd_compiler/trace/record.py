@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+import sympy
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -61,7 +62,7 @@ from ..errors import (
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
-from .side_effects import step_constants, warn_value_reads, watch as watch_side_effects
+from .side_effects import SideEffectError, step_constants, warn_value_reads, watch as watch_side_effects
 from . import guards, replay
 from ..features.mixed_precision import cast_forward
 from ..features import subclass_params as subclasses
@@ -69,7 +70,8 @@ from ..features.accumulation import ACCUMULATE, accumulating
 from ..runtime.signature import StepSignature, TracedStep, split_inputs
 from ..features import tensor_parallel as tp
 from ..features.halo_conv import halo_convolution
-from ..runtime.call_args import LIFTED_HPARAMS, StepArgs, split_step_args
+from ..runtime.call_args import (LIFTED_HPARAMS, StepArgs, group_input_values, group_inputs,
+                                  split_step_args)
 from ..runtime.step_modules import modules_of
 from . import block_reuse
 from .reads import Reads, watching as watch_reads
@@ -137,19 +139,23 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
 
 
 @contextlib.contextmanager
-def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_of, fuse=False):
+def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_of, fuse=False,
+                     unfused=frozenset()):
     """Point the optimizers at fake params/states/lifted hparams; record each param's grad node.
-    With ``fuse``, every param group that can runs its optimizer's fused implementation."""
+    With ``fuse``, every param group that can runs its optimizer's fused implementation (not
+    those that read a number per call besides the learning rate: ``_fused_here``)."""
     saved = []
     hooks = []
     hp = iter(hparams)
-    for opt in optimizers:
+    for k, opt in enumerate(optimizers):
         groups = [dict(g) for g in opt.param_groups]
         saved.append((opt, groups, opt.state))
-        if fuse:
-            for g in opt.param_groups:
-                if fusable(opt, g):
-                    g["fused"], g["foreach"] = True, False
+        inputs = [group_inputs(g) for g in opt.param_groups]
+        for gi, g in enumerate(opt.param_groups):
+            if fuse and fusable(opt, g) and _fused_here(k, gi, g, unfused):
+                g["fused"], g["foreach"] = True, False
+            elif (k, gi) in unfused and g.get("fused"):
+                g["fused"] = False  # (asked for by the user, or by fuse_optimizer before)
         new_state = defaultdict(dict)
         for p, st in opt.state.items():
             fp = fake_of[id(p)]
@@ -157,10 +163,11 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
                 k: (state_fakes[(fqn_of[id(p)], k)] if isinstance(v, torch.Tensor) else v)
                 for k, v in st.items()
             }
-        for g in opt.param_groups:
+        for g, names in zip(opt.param_groups, inputs):
             g["params"] = [fake_of[id(p)] for p in g["params"]]
-            for name in LIFTED_HPARAMS:
-                g[name] = next(hp)
+            for name in names:  # a tuple (``betas``): one input per entry
+                g[name] = tuple(next(hp) for _ in g[name]) if isinstance(g[name], tuple) \
+                    else next(hp)
         opt.state = new_state
 
     def on_grad(fqn):
@@ -347,8 +354,23 @@ class _ModuleState:
         return next(p for p in self.params if self.fqn_of[id(p)] == key[0])
 
 
-def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool):
-    """The lifted hyperparameters (``lr`` of each param group) as graph inputs: (fake values,
+def _groups_with_lifted_entries(lift) -> set[tuple[int, int]]:
+    """(optimizer, group) of the param groups one of whose entries (``weight_decay``, ``betas``)
+    is a lifted number: they run the optimizer's own implementation, which reads it as a number
+    (a fused kernel takes it as a constant)."""
+    return {(p[0][1], p[1][1]) for p in lift
+            if p[0][0] == "optimizer" and len(p) == 3 and p[1][0] == "group"}
+
+
+def _fused_here(k: int, gi: int, group: dict, unfused: set) -> bool:
+    """Does group ``gi`` of optimizer ``k`` keep the fused kernel this recording may give it:
+    no number it reads per call but the learning rate."""
+    return group_inputs(group) == LIFTED_HPARAMS and (k, gi) not in unfused
+
+
+def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool, lift: list = ()):
+    """The lifted hyperparameters (``lr`` of each param group, and a momentum a scheduler cycles:
+    ``call_args.group_inputs``) as graph inputs: (fake values,
     Python values, bound as a tensor?). A fused kernel takes its learning rate as a float64 0-d
     tensor (a float argument would bake the value into the graph); everything else reads a
     SymFloat."""
@@ -361,11 +383,13 @@ def _lift_hparams(sa: StepArgs, fake_mode, shape_env, fuse_optimizer: bool):
                         f"supported; use a Python float (schedulers that change it work)."
                     )
     hparams, values, as_tensors = [], [], []
-    for opt in sa.optimizers:
-        for g in opt.param_groups:
-            as_tensor = fusable(opt, g) and (fuse_optimizer or bool(g.get("fused")))
-            for name in LIFTED_HPARAMS:
-                value = float(g[name])
+    unfused = _groups_with_lifted_entries(lift)  # (``lift``: the numbers lifted after these)
+    for k, opt in enumerate(sa.optimizers):
+        for gi, g in enumerate(opt.param_groups):
+            as_tensor = fusable(opt, g) and (fuse_optimizer or bool(g.get("fused"))) and \
+                _fused_here(k, gi, g, unfused)
+            for j, value in enumerate(group_input_values(g)):
+                name = "lr" if j == 0 else "momentum"
                 values.append(value)
                 as_tensors.append(as_tensor)
                 if as_tensor:
@@ -389,6 +413,8 @@ class _StatelessStep:
         self.fn, self.sa, self.st, self.counts, self.num_inputs = fn, sa, st, counts, num_inputs
         # (paths, roots, number of learning rates) of the numbers the step reads, lifted
         self.lifted = lifted
+        # param groups recorded with their optimizer's own implementation
+        self.unfused = _groups_with_lifted_entries(lifted[0])
         self.reads, self.fuse, self.mp_policy, self.accumulation = (
             reads, fuse_optimizer, mp_policy, accumulation)
         # parameter -> the node of its ``.grad`` after each backward that accumulated into it
@@ -423,9 +449,9 @@ class _StatelessStep:
                               meta.Region.OPTIMIZER)
         with _reparametrize_module(sa.module, by_name, strict=False), regions, \
                 refuse_reentrant_checkpoint(_reentrant_checkpoint_error), _bind_optimizers(
-            sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse
-        ), self.reads, _each_module(sa.module, compiling_forward,
-                                    lambda m: cast_forward(m, self.mp_policy)), \
+            sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse,
+            self.unfused), self.reads, _each_module(sa.module, compiling_forward,
+                                                    lambda m: cast_forward(m, self.mp_policy)), \
                 accumulating(sa.optimizers, sa.module, list(zip(trainable, grads)), self.accumulation), \
                 guards.substituted(*self.lifted[:2], lifted[self.lifted[2]:]), \
                 watch_side_effects(self.fn, sa.module, sa.optimizers, step_constants(sa),
@@ -556,10 +582,10 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         lambda t: fake_static(t, owners.get(id(t))), shard,
         leaf=lambda p: p.requires_grad and tp.plan_of(p) is None)
     fake_buffers = [fake_static(b) for b in st.buffers]
-    hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer)
+    hparams, hparam_values, hparam_tensors = _lift_hparams(sa, fake_mode, shape_env, fuse_optimizer, lift)
     lifted = (list(lift), guards.step_roots(fn, sa), len(hparams))
-    _lift_numbers(guards.lifted_numbers(lift, lifted[1]), shape_env, hparams, hparam_values,
-                  hparam_tensors)
+    numbers = guards.lifted_numbers(lift, lifted[1])
+    _lift_numbers(guards.flat_numbers(numbers), shape_env, hparams, hparam_values, hparam_tensors)
     fake_inputs = _fake_inputs(fake_mode, sa, dynamic_dims)
     counts = [len(fake_params), len(fake_buffers), len(fake_states), len(hparams)]
     trainable = [p for p in st.params if p.requires_grad] if accumulation else []
@@ -574,6 +600,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
                                         *fake_inputs, *[fake_static(p) for p in trainable]],
                       codes, seen)
+    dropped, conditions = _guards_not_kept(fn, gm, shape_env, hparams, lifted, numbers)
     value_guards, source_files = guards.collect(fn, sa, codes, list(lift), seen)
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
@@ -586,12 +613,14 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     _finish_graph(gm, signature, sa, step.grad_nodes, dynamic_dims)
     subclasses.mark_gathered(gm, recording.hooked, recording.described)
     warn_value_reads(reads.user_reads)
-    after_call = replay.plan(fn, step.changed, gm, sa, user_line_here)
+    after_call, assignments, deferred = _python_state(fn, step, gm, sa, hparams, lifted, dropped,
+                                                      value_guards)
     return TracedStep(
         gm=gm,
         shape_env=shape_env,
         signature=signature,
         specialized_hparams=_specialized_hparams(shape_env, hparams, hparam_values),
+        hparam_conditions=conditions,
         specialized_inputs=[(k, unbatched[k].clone()) for k in
                             sorted(p - sum(counts) for p in reads.used)],
         fake_inputs=fake_inputs,
@@ -604,7 +633,47 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
         out_spec=step.out_spec,
         out_constants=step.out_constants,
         replay=after_call,
+        assignments=assignments,
+        deferred_error=deferred,
     )
+
+
+def _guards_not_kept(fn: Callable, gm, shape_env, hparams: list, lifted: tuple,
+                     numbers: list) -> tuple[set, tuple[str, ...]]:
+    """Take out of ``shape_env`` the guards the program does not keep as shape guards: those
+    the step made after its tensor work (their symbols returned) and those on the optimizers'
+    numbers alone (returned as per-call conditions)."""
+    dropped = replay.drop_guards_after_tensor_work(fn, gm, shape_env)
+    lift, _, first = lifted
+    return dropped, _hparam_conditions(shape_env, {
+        i: hparams[i] for i in _optimizer_numbers(first, lift, numbers)})
+
+
+def _optimizer_numbers(first: int, lift: list[tuple], numbers: list) -> list[int]:
+    """Indices of the optimizers' numbers among the lifted hyperparameters: the ``first``
+    (the param groups' inputs), then the lifted param-group entries (``numbers``: the lifted
+    values at ``lift``, a tuple one input per entry)."""
+    owners = [p for p, v in zip(lift, numbers) for _ in (v if isinstance(v, tuple) else (v,))]
+    return list(range(first)) + [first + i for i, p in enumerate(owners) if p[0][0] == "optimizer"]
+
+
+def _python_state(fn: Callable, step: _StatelessStep, gm, sa: StepArgs, hparams: list,
+                  lifted: tuple, dropped: set, value_guards: list) -> tuple:
+    """(statements to run again, lifted numbers to assign, a deferred SideEffectError) after
+    each call for the Python state the recording changed (trace/replay.py). A change no
+    statement repeats is deferred while a number the step writes is not yet an input: the
+    recording with it lifted (guards.record_lifting) may explain it."""
+    lift, roots, first = lifted
+    symbols = {hparams[i].node._expr: i for i in range(first, len(hparams))
+               if isinstance(hparams[i], (torch.SymInt, torch.SymFloat))}
+    try:
+        return (*replay.plan_with_assignments(
+            fn, step.changed, gm, sa, user_line_here, [(p, guards.slot(p, roots)) for p in lift],
+            symbols, dropped), None)
+    except SideEffectError as e:
+        if not any(g.written and not g.lifted for g in value_guards):
+            raise
+        return (), (), e  # recorded again with the numbers it writes as inputs
 
 
 def _lift_numbers(values: list, shape_env, hparams: list, hparam_values: list,
@@ -644,6 +713,20 @@ def _trainable(sa: StepArgs) -> set[str]:
     optimized = {id(p) for opt in sa.optimizers for g in opt.param_groups for p in g["params"]}
     return {n for n, p in sa.module.named_parameters(remove_duplicate=False)
             if p.requires_grad and id(p) in optimized}
+
+
+def _hparam_conditions(shape_env, numbers: dict) -> tuple[str, ...]:
+    """Take out of ``shape_env`` the guards on the optimizers' lifted numbers alone (SGD's
+    ``if momentum != 0``; ``numbers``: index -> symbolic number) and return them as Python
+    conditions over ``h<index>``, checked on every call: a scheduler's next momentum fits the
+    program as long as the branch it took holds."""
+    from sympy.printing.pycode import pycode
+
+    names = {h.node._expr: sympy.Symbol(f"h{i}") for i, h in numbers.items()
+             if isinstance(h, (torch.SymFloat, torch.SymInt))}
+    mine = [g for g in shape_env.guards if g.expr.free_symbols and g.expr.free_symbols <= names.keys()]
+    shape_env.guards[:] = [g for g in shape_env.guards if g not in mine]
+    return tuple(dict.fromkeys(pycode(g.expr.xreplace(names)) for g in mine))
 
 
 def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:

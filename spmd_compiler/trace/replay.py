@@ -130,3 +130,86 @@ def _last_recorded_line(gm: torch.fx.GraphModule, code) -> int | None:
     return last
 
 
+def plan_with_assignments(fn: Callable, changes: list[Change], gm: torch.fx.GraphModule, sa,
+                          where: Callable[[], str], lifted: list[tuple], symbols: dict,
+                          dropped: set) -> tuple[tuple[str, ...], tuple]:
+    """(statements to run again, assignments to make) after every call for ``changes``; raise
+    SideEffectError when neither explains a change. A change made outside the step's own lines
+    (a forward counting its calls: ``self.stats.n += 1``) to a number the program takes as an
+    input, whose new value is a function of the inputs, is an assignment (``guards.ValueGuards
+    .assign``); the step's own statements are run again (:func:`plan`), or, when they cannot
+    be (``self.w += .25`` before the tensor work), their changes are assignments too.
+    ``lifted``: (path, (mapping, key)) of each lifted number; ``symbols``: each input's symbol
+    -> its index; ``dropped``: symbols of guards ``drop_guards_after_tensor_work`` took out
+    (a value computed through them is not a function of the inputs alone)."""
+    code = unwrapped(fn).__code__
+    own = {line for *_, line in code.co_lines() if line}
+
+    def in_step(c: Change) -> bool:
+        at = c.where
+        return at is not None and at[0] == code.co_filename and at[1] in own
+
+    outside = [c for c in changes if not in_step(c)]
+    assigned, rest = _assignments(outside, lifted, symbols, dropped)
+    rest += [c for c in changes if in_step(c)]
+    try:
+        return plan(fn, rest, gm, sa, where), assigned
+    except SideEffectError:
+        more, rest = _assignments(rest, lifted, symbols, dropped)
+        if not more:
+            raise
+        return plan(fn, rest, gm, sa, where), assigned + more
+
+
+def _assignments(changes: list[Change], lifted: list[tuple], symbols: dict,
+                 dropped: set) -> tuple[tuple, list[Change]]:
+    """((path, Python expression over ``h<index>``), ...) for the changes of ``changes`` that
+    set lifted numbers to functions of the inputs, and the other changes."""
+    from sympy.printing.pycode import pycode
+
+    out, rest = [], []
+    for c in changes:
+        targets = [next((p for p, (m, k) in lifted if m is mapping and k == key), None)
+                   for mapping, key, _ in c.slots]
+        values = [_expression(v, symbols, dropped, pycode) for *_, v in c.slots]
+        if not c.slots or None in targets or None in values:
+            rest.append(c)
+            continue
+        out += zip(targets, values)
+    return tuple(out), rest
+
+
+def _expression(value, symbols: dict, dropped: set, pycode) -> str | None:
+    """``value`` (a number, or a symbolic one over ``symbols`` only, none of them ``dropped``)
+    as Python over ``h<i>``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value)
+    if not isinstance(value, (torch.SymInt, torch.SymFloat)):
+        return None
+    expr = value.node.expr
+    if not expr.free_symbols <= symbols.keys() or expr.free_symbols & dropped:
+        return None
+    import sympy
+
+    return pycode(expr.xreplace({s: sympy.Symbol(f"h{symbols[s]}") for s in expr.free_symbols}))
+
+
+def drop_guards_after_tensor_work(fn: Callable, gm: torch.fx.GraphModule, shape_env) -> set:
+    """Remove from ``shape_env`` the guards the step's own lines made after its last tensor
+    operation (``model.kl_w = min(1, model.kl_w + .25)`` on a lifted number compares it): the
+    graph was recorded before them and does not depend on them, and the statements that made
+    them run again, on real values, after every call. Returns the symbols they held."""
+    fn = unwrapped(fn)
+    code = getattr(fn, "__code__", None)
+    last = _last_recorded_line(gm, code) if code is not None else None
+    if last is None:
+        return set()
+
+    def after(guard) -> bool:
+        loc = guard.sloc.framework_loc
+        return (getattr(loc, "filename", None) == code.co_filename and loc.name == code.co_name
+                and loc.lineno > last)
+
+    dropped = [g for g in shape_env.guards if after(g)]
+    shape_env.guards[:] = [g for g in shape_env.guards if not after(g)]
+    return set().union(*(g.expr.free_symbols for g in dropped))

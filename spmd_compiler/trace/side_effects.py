@@ -15,7 +15,7 @@ snapshots, before the step's code runs, the Python state the step can change:
   and sets: its non-tensor arguments, its closure variables, the globals its code names, and the
   plain objects among their attributes (a trainer's scheduler); containers are compared one
   level deep (a list appended to);
-- the globals the step's code assigns (``global step_count``).
+- the globals the step's code and its modules' ``forward`` methods assign (``global step_count``).
 
 After the step's code has run it compares, and puts the state back as it was (a change made with
 the recording's stand-ins must not stay). The changes go to spmd_compiler/trace/replay.py, which runs
@@ -70,6 +70,8 @@ class Change:
 
     what: str
     line: str | None = None
+    # (attribute dict or globals, name, value after the step's code ran) of what changed
+    slots: tuple = ()
 
     @property
     def where(self) -> tuple[str, int] | None:
@@ -83,10 +85,11 @@ class _Snapshot:
     """The watched state before the step's code ran."""
 
     groups: list[tuple[int, list[dict]]] = field(default_factory=list)  # (optimizer, groups)
-    # (label, variable name, object, its attributes)
-    objects: list[tuple[str, str | None, Any, dict]] = field(default_factory=list)
+    # (label, variable name, object, its attributes, the only ones watched or None)
+    objects: list[tuple[str, str | None, Any, dict, frozenset | None]] = field(default_factory=list)
     modules: list[tuple[str, torch.nn.Module, dict]] = field(default_factory=list)
-    globals: dict[str, Any] = field(default_factory=dict)  # assigned global -> value or _MISSING
+    # (function, assigned global, its line, value or _MISSING) of the step and modules' forwards
+    globals: list[tuple[Callable, str, int, Any]] = field(default_factory=list)
 
 
 _MISSING = object()
@@ -133,7 +136,8 @@ def _same(a: Any, b: Any, depth: int = 1) -> bool:
 
 def _plain_object(obj: Any) -> bool:
     """Is ``obj`` a Python object whose attributes the step may change: a user's object or an LR
-    scheduler (not a module, optimizer, tensor, function, class or library object)?"""
+    scheduler (not a module, optimizer, tensor, function, class, library object or this
+    package's own)?"""
     if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, type,
                         types.ModuleType, types.FunctionType, types.MethodType,
                         types.BuiltinFunctionType, *_SCALARS)):
@@ -141,6 +145,8 @@ def _plain_object(obj: Any) -> bool:
     if not isinstance(getattr(obj, "__dict__", None), dict):
         return False
     module = type(obj).__module__ or ""
+    if module.split(".")[0] == __package__.split(".")[0]:
+        return False  # this package's own bookkeeping on the model (eager use, saving)
     if module.startswith("torch."):
         return module == "torch.optim.lr_scheduler"
     return module.split(".")[0] not in sys.stdlib_module_names
@@ -179,15 +185,18 @@ def _stores(fn: Callable, opname: str) -> dict[str, int]:
 
 def _reach(fn: Callable, constants: list[tuple[str, Any]]) -> list[tuple[str, str | None, Any]]:
     """(label, variable name, object) of the plain objects the step reaches: its non-tensor
-    arguments, closure variables and named globals, then the plain objects among their
-    attributes."""
+    arguments, the instance of a bound-method step (``self``), closure variables and named
+    globals, then the plain objects among their attributes."""
     roots: list[tuple[str, str | None, Any]] = [(label, None, x) for label, x in constants]
     code = getattr(fn, "__code__", None)
     if code is not None:
         params = code.co_varnames[:code.co_argcount]
-        roots = [(label, params[int(label[9:])] if label.startswith("argument ") and
-                  label[9:].isdigit() and int(label[9:]) < len(params) else None, x)
+        shift = 1 if isinstance(fn, types.MethodType) else 0  # arguments after ``self``
+        roots = [(label, params[int(label[9:]) + shift] if label.startswith("argument ") and
+                  label[9:].isdigit() and int(label[9:]) + shift < len(params) else None, x)
                  for label, _, x in roots]
+        if shift and params:
+            roots.insert(0, (params[0], params[0], fn.__self__))
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             with contextlib.suppress(ValueError):  # an empty cell
                 roots.append((f"closure variable {name!r}", name, cell.cell_contents))
@@ -205,6 +214,34 @@ def _reach(fn: Callable, constants: list[tuple[str, Any]]) -> list[tuple[str, st
                 seen.add(id(value))
                 out.append((f"{label}.{attr}", var, value))
     return out[:_MAX_OBJECTS]
+
+
+def _counters(module: torch.nn.Module | None) -> list[tuple[str, Any, frozenset]]:
+    """(label, object, attribute names) of the plain objects the model's modules hold whose
+    number attributes a module's ``forward`` assigns (a call counter on a stats object): only
+    those attributes are watched. (A forward also fills in a config's string once, as Hugging
+    Face models set ``config.problem_type``: that stays as the recording left it, as after an
+    eager call.)"""
+    if module is None:
+        return []
+    modules = list(module.named_modules())
+    stored = set().union(*(_stores(f, "STORE_ATTR") for f in {type(m).forward for _, m in modules}
+                           if isinstance(f, types.FunctionType)))
+    out, seen = [], set()
+    for name, m in modules:
+        for a, v in vars(m).items():
+            if not _plain_object(v) or id(v) in seen:
+                continue
+            attrs = frozenset(k for k, x in vars(v).items() if k in stored and _is_number(x))
+            if attrs:
+                seen.add(id(v))
+                out.append((f"attribute {a!r} of module {name or '<root>'!r}", v, attrs))
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    """A number, or the symbolic one a recording reads in its place (trace/guards.substituted)."""
+    return isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(v, bool)
 
 
 _CONTAINERS = (list, dict, set)
@@ -273,15 +310,19 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
         opt.param_groups[:] = [_RecordingGroup(g, where=where) for g in opt.param_groups]
         snap.groups.append((k, [_state(g) for g in opt.param_groups]))
     snap.modules = [(name, m, _state(m.__dict__)) for name, m in module.named_modules()]
-    snap.objects = [(label, var, obj, _state(_attrs(obj))) for label, var, obj in _reach(fn, constants)]
-    assigned = _stores(fn, "STORE_GLOBAL")
-    snap.globals = {n: fn.__globals__.get(n, _MISSING) for n in assigned}
+    snap.objects = [(label, var, obj, _state(_attrs(obj)), None)
+                    for label, var, obj in _reach(fn, constants)]
+    reached = {id(obj) for *_, obj, _, _ in snap.objects}
+    snap.objects += [(label, None, obj, _state({k: vars(obj)[k] for k in attrs}), attrs)
+                     for label, obj, attrs in _counters(module) if id(obj) not in reached]
+    snap.globals = [(f, n, line, f.__globals__.get(n, _MISSING))
+                    for f, n, line in _global_stores(fn, module)]
     changes: list[Change] = []
     try:
         yield
-        changes = _changes(snap, fn, optimizers, assigned)
+        changes = _changes(snap, fn, optimizers)
     except BaseException:
-        _restore(snap, fn)
+        _restore(snap)
         raise
     finally:
         for opt, groups, (_, before) in zip(optimizers, originals, snap.groups):
@@ -293,7 +334,7 @@ def watch(fn: Callable, module: torch.nn.Module, optimizers: list, constants: li
                     _put_back(old, state)
             opt.param_groups[:] = groups + opt.param_groups[len(groups):]
     if changes:
-        _restore(snap, fn)
+        _restore(snap)
         if into is None:
             raise SideEffectError(message(fn, changes))
         into.extend(changes)
@@ -313,7 +354,22 @@ def _diff(before: dict, now: dict) -> list[str]:
     return changed + [k for k in before if k not in now]
 
 
-def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str, int]) -> list[Change]:
+def _global_stores(fn: Callable, module: torch.nn.Module | None) -> list[tuple[Callable, str, int]]:
+    """(function, name, line) of the globals the step and its modules' ``forward`` methods
+    assign (``global step_count``), each global once."""
+    forwards = {} if module is None else {
+        f.__code__: f for f in (getattr(type(m), "forward", None) for m in module.modules())
+        if isinstance(f, types.FunctionType)}
+    out, seen = [], set()
+    for f in (fn, *forwards.values()):
+        for n, line in _stores(f, "STORE_GLOBAL").items():
+            if (id(f.__globals__), n) not in seen:
+                seen.add((id(f.__globals__), n))
+                out.append((f, n, line))
+    return out
+
+
+def _changes(snap: _Snapshot, fn: Callable, optimizers: list) -> list[Change]:
     out = []
     for k, groups in snap.groups:
         now = optimizers[k].param_groups
@@ -332,18 +388,34 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list, assigned: dict[str
         forward = _stores(type(m).forward, "STORE_ATTR")
         out += [Change(f"attribute {a!r} of module {name or '<root>'!r} ({type(m).__name__})",
                         _line(type(m).forward, forward[a]) if a in forward else
-                        _line(fn, stores.get(a))) for a in changed]
-    for label, var, obj, before in snap.objects:
-        changed = _diff(before, _attrs(obj))
+                        _line(fn, stores.get(a)), ((m.__dict__, a, m.__dict__.get(a)),))
+                for a in changed]
+    for label, var, obj, before, only in snap.objects:
+        changed = _diff(before, _attrs(obj) if only is None else
+                        {k: v for k, v in vars(obj).items() if k in only})
         if changed:
             line = next((stores[a] for a in changed if a in stores), _use_line(fn, var))
             what = f"the contents of a {type(obj).__name__} ({label})" if type(obj) in _CONTAINERS \
                 else f"{type(obj).__name__} object ({label}): attribute(s) {', '.join(map(str, changed))}"
-            out.append(Change(what, _line(fn, line)))
-    for n, line in assigned.items():
-        if not _same(snap.globals[n], fn.__globals__.get(n, _MISSING)):
-            out.append(Change(f"global {n!r}", _line(fn, line)))
+            attrs = _attrs(obj)
+            slots = () if type(obj) in _CONTAINERS else tuple((attrs, a, attrs.get(a)) for a in changed)
+            out.append(Change(what, _line(fn, line) if line is not None else
+                              _forward_line(snap.modules, changed), slots))
+    for f, n, line, before in snap.globals:
+        if not _same(before, f.__globals__.get(n, _MISSING)):
+            out.append(Change(f"global {n!r}", _line(f, line), ((f.__globals__, n, f.__globals__.get(n)),)))
     return out
+
+
+def _forward_line(modules: list, attrs: list[str]) -> str | None:
+    """The line of a watched module's ``forward`` assigning one of ``attrs`` (a forward
+    counting its calls on a plain object it holds)."""
+    for _, m, _ in modules:
+        stores = _stores(type(m).forward, "STORE_ATTR")
+        line = next((stores[a] for a in attrs if a in stores), None)
+        if line is not None:
+            return _line(type(m).forward, line)
+    return None
 
 
 def _line(fn: Callable, lineno: int | None) -> str | None:
@@ -356,15 +428,20 @@ def _line(fn: Callable, lineno: int | None) -> str | None:
             f"{linecache.getline(code.co_filename, lineno).strip()}")
 
 
-def _restore(snap: _Snapshot, fn: Callable) -> None:
+def _restore(snap: _Snapshot) -> None:
     """Put the watched modules, objects and assigned globals back as they were."""
-    for *_, obj, before in snap.modules + snap.objects:
-        _put_back(_attrs(obj) if type(obj) in _CONTAINERS else obj.__dict__, before)
-    for n, value in snap.globals.items():
+    for *_, obj, before in snap.modules:
+        _put_back(obj.__dict__, before)
+    for *_, obj, before, only in snap.objects:
+        if only is None:
+            _put_back(_attrs(obj) if type(obj) in _CONTAINERS else obj.__dict__, before)
+        else:  # the watched numbers only
+            obj.__dict__.update({k: value for k, (value, _) in before.items()})
+    for f, n, _, value in snap.globals:
         if value is _MISSING:
-            fn.__globals__.pop(n, None)
+            f.__globals__.pop(n, None)
         else:
-            fn.__globals__[n] = value
+            f.__globals__[n] = value
 
 
 def message(fn: Callable, changes: list[Change], why: str = "") -> str:
@@ -429,9 +506,11 @@ def warn_value_reads(lines: list[str]) -> None:
         warnings.warn_explicit(warning, ValueReadWarning, *(where or ("<unknown>", 0)))
 
 
-def may_change_python_state(fn: Callable, constants: list[tuple[str, Any]]) -> bool:
+def may_change_python_state(fn: Callable, constants: list[tuple[str, Any]],
+                            module: torch.nn.Module | None = None) -> bool:
     """Could the step change Python state its recording must change on every rank: does it
-    assign a global, or reach a plain object (a scheduler, a counter, a list) through its
-    arguments, closure or globals? The objects ``watch`` snapshots, known before recording."""
+    assign a global, or reach a plain object (a scheduler, a counter, a list, a bound-method
+    step's instance) through its arguments, instance, closure, globals or the model's modules?
+    The objects ``watch`` snapshots, known before recording."""
     fn = unwrapped(fn)
-    return bool(_stores(fn, "STORE_GLOBAL") or _reach(fn, constants))
+    return bool(_global_stores(fn, module) or _reach(fn, constants) or _counters(module))
