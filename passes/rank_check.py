@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from . import meta
 from .gloo_collectives import _group
+from spmd_compiler.torch_internals import _resolve_process_group
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -135,8 +136,8 @@ def _carry_in_gather(gm: fx.GraphModule, agreement: fx.Node, carrier: Any,
 def _carry_in_broadcast(gm: fx.GraphModule, agreement: fx.Node, carrier: Any,
                         issue: fx.Node) -> bool:
     """The agreement beside the buffers' bytes (replicate.py): their ``broadcast(cat(bytes),
-    0)`` becomes ``all_reduce(cat(bytes or zeros), sum)``, rank 0 adding its bytes and every
-    other rank zeros, so the sum is rank 0's bytes and the headers' counts."""
+    0)`` becomes ``all_reduce(bytes_of_rank0(cat(bytes, header)), sum)``: rank 0 adds its
+    bytes and every other rank zeros, so the sum is rank 0's bytes and the headers' counts."""
     flat, source, group = issue.args
     val = issue.meta.get("val")
     place = _group(group)
@@ -145,16 +146,21 @@ def _carry_in_broadcast(gm: fx.GraphModule, agreement: fx.Node, carrier: Any,
             or len(flat.users) != 1 or val is None or val.dtype != torch.uint8 \
             or _static_sum_size(val) is None or len(issue.users) != 1:
         return False
-    graph = gm.graph
-    if place[0] != 0:  # this rank's bytes are not sent: zeros in their place
-        with graph.inserting_before(flat):
-            zeros = graph.call_function(aten.zeros.default, ([val.numel()],),
-                                        {"dtype": torch.uint8, "device": val.device})
-        zeros.meta.update({"val": val.new_empty(val.numel()), meta.REGION: flat.meta.get(meta.REGION)})
-        flat.args = ([zeros],) + flat.args[1:]
     issue.target, issue.args = c10d.all_reduce.default, (flat, "sum", group)
     _append_header(gm, agreement, carrier, issue, flat, 1, rows=1)
+    with gm.graph.inserting_before(issue):  # a program may be shared: the rank is read per call
+        sent = gm.graph.call_function(bytes_of_rank0, (flat, val.numel(), group))
+    sent.meta.update({"val": flat.meta["val"], meta.REGION: flat.meta.get(meta.REGION)})
+    issue.args = (sent,) + issue.args[1:]
     return True
+
+
+def bytes_of_rank0(flat: torch.Tensor, length: int, group: str) -> torch.Tensor:
+    """Graph node: ``flat`` (the buffers' bytes, then the header), its first ``length`` bytes
+    zeroed in place on every rank of ``group`` but rank 0."""
+    if _resolve_process_group(group).rank() != 0:
+        flat[:length].zero_()
+    return flat
 
 
 def _append_header(gm, agreement, carrier, issue: fx.Node, flat: fx.Node, scale, rows: int):

@@ -37,8 +37,13 @@ from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
 from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
 from spmd_compiler.passes.grad_outputs import output_gradients
-from spmd_compiler.passes.inplace import gather_into_preallocated, owned_temporary, reduce_in_place
-from spmd_compiler.passes.memory_plan import plan_static_memory
+from spmd_compiler.passes.inplace import (
+    gather_into_preallocated,
+    owned_temporary,
+    produce_into_buckets,
+    reduce_in_place,
+)
+from spmd_compiler.passes.memory_plan import out_variant, plan_static_memory
 from spmd_compiler.passes.overlap import sink_waits
 from spmd_compiler.passes.identity_views import skip_identity_views
 from spmd_compiler.passes.rank_check import finish_rank_check, place_rank_check
@@ -376,7 +381,8 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: tuple | None = Non
     runnable = _make_graph_module(gm, graph)
     if rank_check:  # on the functional copy: its header rides in a collective before lowering
         runnable = place_rank_check(runnable, *rank_check)
-    for lowering in (reduce_in_place, gather_into_preallocated, broadcast_gathers,
+    for lowering in (reduce_in_place, functools.partial(produce_into_buckets, out_variant=out_variant),
+                     gather_into_preallocated, broadcast_gathers,
                      functools.partial(all_reduce_scatters, owned=owned_temporary),
                      plan_static_memory):
         runnable = lowering(runnable)
