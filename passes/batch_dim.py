@@ -13,6 +13,8 @@ gradients and buffers cross ranks, so no placement inside the step can make the 
   ``k`` chunks, each sharded over the ranks. A reshape that puts the batch inside a dim
   (``(T, B, E) -> (T*B, E)`` in ``nn.MultiheadAttention`` and ``nn.LSTM``) gives ``k = T``; the
   factor is followed through reshapes from the input shapes, so it stays exact when T is symbolic.
+  A reshape whose rows mix two samples (``(T, B, 4) -> (T*B*4/3, 3)``) proves only the ranks'
+  concatenation: ``Shard`` on its batch dim.
 - ``Replicate()``: the same on every rank (parameters, buffers, optimizer state, constants, values
   computed only from those).
 - ``Partial("avg")``: a rank-local value without a batch dim computed from the local batch (a loss,
@@ -323,9 +325,8 @@ class _Analysis:
     def batch_placement(self, node, name, out, dims, batch_ins) -> Placement:
         """The batch shard of ``out``: where its batch dim came from and how it is laid out."""
         if name in _RESHAPES and len(batch_ins) == 1:
-            p = self.reshaped(out, dims, *batch_ins[0])
-            if p is not None:
-                return p
+            # a reshape that cuts the batch factor's rows apart proves only the concatenation
+            return self.reshaped(out, dims, *batch_ins[0]) or Shard(dims[0])
         args = _arguments(node) if name in ("repeat", "cat") else None
         if name == "repeat" and args is not None and len(batch_ins) == 1:
             (v, p), reps = batch_ins[0], args["repeats"]
@@ -353,19 +354,30 @@ class _Analysis:
     def reshaped(self, out, dims, v, p) -> Placement | None:
         """Follow the batch factor of ``v`` (placement ``p``) through a row-major reshape.
 
-        In the flattened index, the batch factor sits after ``outer = prod(v.shape[:p.dim]) * sf``
-        elements' worth of outer positions. In the output it lies in the dim ``d`` that holds the
-        batch symbol, with ``outer / prod(out.shape[:d])`` chunks before it: that quotient is the
-        output's split factor (1: a plain ``Shard(d)``). None when the reshape splits the
-        batch factor itself.
+        In the flattened index the elements are ``outer x batch x inner``: the batch factor comes
+        after ``outer = prod(v.shape[:k]) * sf`` chunks (``k = p.dim``), and each sample holds
+        ``inner`` consecutive elements (the rest of dim ``k``'s chunk, then ``v.shape[k+1:]``). An
+        output dim ``d`` holding the batch symbol keeps it exactly when the dims before it split
+        ``outer`` (``outer / prod(out.shape[:d])`` chunks: the output's split factor, 1 for a
+        plain ``Shard(d)``) and the dims after it split ``inner`` (no row of ``d`` holds
+        elements of two samples). None otherwise: the reshape cuts the batch factor apart.
         """
-        outer = prod(self._expr(s) for s in v.shape[: p.dim]) * self._expr(_split_factor(p))
+        k, sf = p.dim, self._expr(_split_factor(p))
+        outer = prod(self._expr(s) for s in v.shape[:k]) * sf
+        size = sympy.factor_terms(self._expr(v.shape[k]))  # 4*s0 + 4 -> 4*(s0 + 1)
+        batch = size.as_independent(*self.batch_syms, as_Add=False)[1]
+        inner = size / (sf * batch) * prod(self._expr(s) for s in v.shape[k + 1:])
         for d in dims:
-            factor = sympy.cancel(outer / prod(self._expr(s) for s in out.shape[:d]))
-            numer, denom = sympy.fraction(factor)
-            if denom == 1 and not (factor.free_symbols & self.batch_syms):
-                return self.strided(d, factor)
+            chunks = outer / prod(self._expr(s) for s in out.shape[:d])
+            rows = inner / prod(self._expr(s) for s in out.shape[d + 1:])
+            if self._whole(chunks) and self._whole(rows):
+                return self.strided(d, sympy.cancel(chunks))
         return None
+
+    def _whole(self, ratio: sympy.Expr) -> bool:
+        """Whether ``ratio`` of two sizes is a whole number (a polynomial) free of the batch."""
+        ratio = sympy.cancel(ratio)
+        return sympy.fraction(ratio)[1] == 1 and not (ratio.free_symbols & self.batch_syms)
 
     @staticmethod
     def _elementwise(node, name) -> bool:

@@ -290,7 +290,9 @@ def _set_meta_without_tensor_meta(proxy, val):
 
 @contextlib.contextmanager
 def _swapped(owner, name: str, value):
-    saved = getattr(owner, name)
+    # a class's own entry as it is stored (a pybind method is an instancemethod there; getattr
+    # would give the plain function, which does not bind)
+    saved = vars(owner)[name] if isinstance(owner, type) and name in vars(owner) else getattr(owner, name)
     setattr(owner, name, value)
     try:
         yield
@@ -401,13 +403,28 @@ def _ours_or_torch(filename: str) -> bool:
                                 os.path.dirname(contextlib.__file__)))
 
 
+def _asking_line(frame) -> str | None:
+    """The user's line that asked, through ``frame``, for a rank: the first frame outwards that
+    is not in torch.distributed nor the standard library, when it is not torch's or ours."""
+    inside = os.path.join(os.path.dirname(torch.__file__), "distributed", "")
+    stdlib = os.path.dirname(contextlib.__file__)
+    while frame is not None:  # (this file's frames: a question watched twice, nested)
+        name = frame.f_code.co_filename
+        if not name.startswith((inside, stdlib)) and name != __file__:
+            return None if _ours_or_torch(name) else f'File "{name}", line {frame.f_lineno}'
+        frame = frame.f_back
+    return None
+
+
 @contextlib.contextmanager
 def rank_queries():
-    """Yields a list that collects, while the block runs, the source line of every call the
-    user's code makes to ``torch.distributed.get_rank`` or to a DeviceMesh's ``get_rank``,
-    ``get_local_rank`` or ``get_coordinate`` (torch's own calls and ours are left out): a step
-    that asks for its rank may record another program on every rank. A name bound before the
-    block (``from torch.distributed import get_rank``) is not seen."""
+    """Yields a list that collects, while the block runs, the source line of every question the
+    user's code asks about this process's rank: ``torch.distributed.get_rank`` (also bound
+    under another name before the block), a process group's ``rank()`` (``dist.group.WORLD``),
+    ``get_node_local_rank``, a DeviceMesh's ``get_rank``, ``get_local_rank`` or
+    ``get_coordinate`` (torch's own questions and ours are left out): a step that asks for its
+    rank may record another program on every rank."""
+    from torch._C._distributed_c10d import ProcessGroup
     from torch.distributed import distributed_c10d
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -416,15 +433,18 @@ def rank_queries():
     def watched(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            caller = sys._getframe(1)
-            if not _ours_or_torch(caller.f_code.co_filename):
-                seen.append(f'File "{caller.f_code.co_filename}", line {caller.f_lineno}')
+            line = _asking_line(sys._getframe(1))
+            if line is not None and line not in seen:
+                seen.append(line)
             return fn(*args, **kwargs)
         return call
 
     with contextlib.ExitStack() as stack:
         for owner in (torch.distributed, distributed_c10d):
-            stack.enter_context(_swapped(owner, "get_rank", watched(distributed_c10d.get_rank)))
+            for name in ("get_rank", "get_node_local_rank"):
+                if hasattr(owner, name):
+                    stack.enter_context(_swapped(owner, name, watched(getattr(distributed_c10d, name))))
+        stack.enter_context(_swapped(ProcessGroup, "rank", watched(ProcessGroup.rank)))
         for name in ("get_rank", "get_local_rank", "get_coordinate"):
             stack.enter_context(_swapped(DeviceMesh, name, watched(getattr(DeviceMesh, name))))
         yield seen
@@ -538,6 +558,9 @@ class StepTracer(PythonKeyTracer):
         self._formatted: dict[tuple, str] = {}
         self._skip = uninteresting_files() | {os.path.join(os.path.dirname(__file__), "trace", "block_reuse.py")}
         self.code_seen: dict = {}  # code object on the stack of any recorded node -> its globals
+        # the same for the frames above ``block_frame``, while block reuse records a block
+        self.block_codes: dict | None = None
+        self.block_frame = None
 
     def call_module(self, m, forward, args, kwargs):
         path = self._paths.get(id(m))
@@ -562,11 +585,15 @@ class StepTracer(PythonKeyTracer):
 
     def _stack_trace(self, frame) -> str | None:
         frames = []
-        seen = self.code_seen
+        seen, block = self.code_seen, self.block_codes
         while frame is not None:
             code = frame.f_code
             if code not in seen:
                 seen[code] = frame.f_globals
+            if frame is self.block_frame:
+                block = None
+            elif block is not None and code not in block:
+                block[code] = frame.f_globals
             if (code.co_name == "forward" or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS) \
                     and code.co_filename not in self._skip:
                 frames.append((code.co_filename, frame.f_lineno, code.co_name))

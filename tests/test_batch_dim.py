@@ -609,14 +609,58 @@ def _assemble(parts, p):
     return torch.cat([c[j] for j in range(p.split_factor) for c in chunks], p.dim)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.data())
-def test_random_shape_op_chains_match_eager_sharding(data):
-    """Random chains of shape ops on a batched input, against eager ground truth: the output dim
-    whose size changes with the batch size carries the Shard / _StridedShard, and two ranks'
-    outputs on halves of a batch, assembled by that placement, are the output of the whole batch.
-    A chain that leaves no batch-sized dim (it selected a sample) is rank-local: Partial("avg")."""
-    ops = _chain_ops(data)
+LOCAL_BATCHES = (2, 3)  # each rank's batch size, in the two worlds the ground truth compares
+
+
+def _batch_dim(splits) -> int | None:
+    """The dim whose size differs between the local batches of 2 and 3 (None: no batch dim)."""
+    small, large = (parts[0].shape for parts, _ in splits)
+    changing = [i for i, (a, b) in enumerate(zip(small, large)) if a != b]
+    assert len(changing) <= 1, (small, large)
+    return changing[0] if changing else None
+
+
+def _split_factor(p):
+    return p.split_factor if isinstance(p, _StridedShard) else 1
+
+
+def _exact(splits, p) -> bool:
+    """Whether ``p`` assembles the ranks' tensors into the global one in every split."""
+    sizes = [parts[0].shape[p.dim] for parts, _ in splits]
+    return (all(size % _split_factor(p) == 0 for size in sizes)
+            and all(torch.equal(_assemble(parts, p), whole) for parts, whole in splits))
+
+
+def _exact_placement_exists(splits, d) -> bool:
+    """Whether a Shard or _StridedShard on dim ``d`` gives the global tensor in every split."""
+    size = splits[0][0][0].shape[d]
+    candidates = [Shard(d)] + [_strided(d, k) for k in range(2, size + 1)]
+    return any(_exact(splits, p) for p in candidates)
+
+
+def _ground_truth(ops, seed=0):
+    """Each world's two ranks' outputs of ``ops`` and the global tensor they must assemble into.
+
+    That is the whole batch's output while some Shard / _StridedShard gives it exactly. An op
+    after which none does (a reshape whose rows mix the samples of two ranks) leaves the most
+    general placement the analysis can prove, the concatenation of the ranks' tensors on the
+    batch dim: from there on the global tensor is that concatenation carried through the rest
+    of the chain."""
+    gen = torch.Generator().manual_seed(seed)
+    splits = []
+    for local in LOCAL_BATCHES:
+        whole = torch.randn(2 * local, *BASE, generator=gen)
+        splits.append((list(whole.split(local)), whole))
+    for op in ops:
+        splits = [([op(part) for part in parts], op(whole)) for parts, whole in splits]
+        d = _batch_dim(splits)
+        if d is not None and not _exact_placement_exists(splits, d):
+            splits = [(parts, torch.cat(parts, d)) for parts, _ in splits]
+    return splits
+
+
+def _chain_placement(ops):
+    """The placement the analysis gives the output of ``ops`` in a traced training step."""
 
     def step(model, optim, x):
         optim.zero_grad()
@@ -629,17 +673,65 @@ def test_random_shape_op_chains_match_eager_sharding(data):
     gm = trace_step(step, (model, torch.optim.SGD(model.parameters(), lr=0.1),
                            torch.randn(4, *BASE)), {}, input_batch_dim=0).gm
     annotate_placements(gm)
-    p = placement(gm.graph.output_node().args[0][0])
-    small, large = _run(ops, torch.randn(2, *BASE)), _run(ops, torch.randn(3, *BASE))
-    changing = [i for i, (a, b) in enumerate(zip(small.shape, large.shape)) if a != b]
-    if not changing:
-        assert p == AVG
-        return
-    (d,) = changing
-    assert isinstance(p, (Shard, _StridedShard)) and p.dim == d, p
-    x = torch.randn(4, *BASE)
-    assert torch.equal(_assemble([_run(ops, x[:2]), _run(ops, x[2:])], p), _run(ops, x)), p
     check_roles(gm)
+    return placement(gm.graph.output_node().args[0][0])
+
+
+def check_chain(ops):
+    """The analysis's placement of the chain's output against eager ground truth; returns it."""
+    p = _chain_placement(ops)
+    splits = _ground_truth(ops)
+    d = _batch_dim(splits)
+    if d is None:
+        assert p == AVG, p  # a chain that leaves no batch-sized dim selected a sample
+        return p
+    assert isinstance(p, (Shard, _StridedShard)) and p.dim == d, p
+    assert _exact(splits, p), p
+    return p
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_random_shape_op_chains_match_eager_sharding(data):
+    """Random chains of shape ops on a batched input, against eager ground truth: the output dim
+    whose size changes with the batch size carries the Shard / _StridedShard, and the ranks'
+    outputs (two ranks, local batches of 2 and of 3), assembled by that placement, are the output
+    of the whole batch, or, after a reshape that mixes samples of two ranks in one row, the
+    concatenation there carried on (see _ground_truth). A chain that leaves no batch-sized dim
+    (it selected a sample) is rank-local: Partial("avg")."""
+    check_chain(_chain_ops(data))
+
+
+def _permute(*dims):
+    return lambda x: x.permute(dims).contiguous()
+
+
+def _view_flat(x):
+    return x.contiguous().view(-1)
+
+
+def _unflatten(d, k):
+    return lambda x: x.unflatten(d, (-1, k))
+
+
+@pytest.mark.parametrize("ops, expected", [
+    # [3, b, 4] -> [12b]: three chunks, each sharded; [12b] -> [4b, 3] puts the last element of
+    # one sample and the first two of the next in one row: only the concatenation is proven
+    ([_permute(1, 0, 2), _view_flat, _unflatten(0, 3)], Shard(0)),
+    ([_permute(1, 0, 2), _view_flat], _strided(0, 3)),
+    ([_permute(1, 0, 2), _view_flat, _unflatten(0, 4)], _strided(0, 3)),  # [3b, 4]: whole rows
+    ([_permute(1, 0, 2), _view_flat, _unflatten(0, 2)], _strided(0, 3)),  # [6b, 2]
+    # [4, 3, b] -> [12b] -> [6b, 2]: a row holds the samples of two ranks once b is odd
+    ([lambda x: x.transpose(0, 2), _view_flat, _unflatten(0, 2)], Shard(0)),
+    # after the concatenation, the rules stay exact relative to it
+    ([_permute(1, 0, 2), _view_flat, _unflatten(0, 3), lambda x: x.t(), _view_flat],
+     _strided(0, 3)),
+], ids=["time-major-rows-of-3", "time-major-flat", "time-major-rows-of-4", "time-major-rows-of-2",
+        "batch-last-rows-of-2", "mixed-rows-transposed-flat"])
+def test_reshapes_that_mix_samples_in_a_row_prove_only_the_concatenation(ops, expected):
+    """Found by the property test: a reshape keeps the batch factor exactly only when the dims
+    after the batch dim split each sample's elements (no row holds elements of two samples)."""
+    assert check_chain(ops) == expected
 
 
 # -- the placement table in docs/batch_dim.md ------------------------------------------------

@@ -186,10 +186,13 @@ def test_block_that_sets_an_attribute_is_refused_as_before(reuse, monkeypatch):
 
 
 def test_off_switch(monkeypatch):
+    from spmd_compiler.trace.reads import Reads
+
     monkeypatch.setenv("SPMD_NO_BLOCK_REUSE", "1")
-    assert block_reuse.for_recording(_Stack([0.5] * 3)) is None
+    assert block_reuse.for_recording(_Stack([0.5] * 3), Reads()) is None
     monkeypatch.delenv("SPMD_NO_BLOCK_REUSE")
-    assert block_reuse.for_recording(_Stack([0.5] * 3)) is not None
+    assert block_reuse.for_recording(_Stack([0.5] * 3), Reads()) is not None
+    assert block_reuse.for_recording(_Stack([0.5] * 3)) is None  # reads not watched: off
 
 
 _ZOO_SKIP = {"routed_moe_masked_loss"}  # its step cannot be recorded (data-dependent sizes)

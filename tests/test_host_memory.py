@@ -17,7 +17,7 @@ from tests.multirank import REPO_ROOT
 
 _PROBE = r"""
 import json, os, torch
-from spmd_compiler.runtime import retain_host_memory
+from spmd_compiler.runtime.program import retain_host_memory
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -9,15 +9,19 @@ disk cache stores it (cache.pack: the generated Python, the constants, the trace
 shape and value guards) and hands it, with the cache FORMAT, its key and a sha256 of its
 bytes, to the others through the job's key-value store (a wait there has its own time limit,
 not the collectives'), which unpack it and check it as a file from the disk cache is checked
-(cache.usable: the description of the arguments, the value guards on their own objects) and
-then against their own inputs (the shape guards, the sizes held as constants). A rank whose
+(cache.usable: the description of the arguments, the value guards on their own objects:
+every Python value the recording read, spmd_compiler/trace/reads.py, so a class attribute or an
+environment variable set per rank makes that rank build its own) and then against their own
+inputs (the shape guards, the sizes held as constants). A rank whose
 local batch size differs shares the program when the batch dim is a symbol; a rank whose key
 differs, or for which the received program does not hold, builds its own. The cross-rank
 agreement on the program (program_check.agree_on_program) follows as before, on every rank.
 
 A program the builder cannot share is built by every rank of its set: one whose recording asked
-for the rank (``dist.get_rank()``, a mesh's ``get_rank``/``get_coordinate`` called from the
-user's code: another rank may take another branch; torch_internals.rank_queries), one that
+for the rank (``dist.get_rank()`` however it was imported, a process group's ``rank()``, a
+mesh's ``get_rank``/``get_coordinate``, asked by the user's code: another rank may take another
+branch; torch_internals.rank_queries), one whose guards never hold (a read that cannot be
+guarded, trace/guards.py), one that
 cannot be packed (a global of its code not importable by name). A step that may change
 Python state (it assigns a global or reaches a plain object such as an LR scheduler or a
 counter: side_effects.may_change_python_state) is not shared either: its recording runs that

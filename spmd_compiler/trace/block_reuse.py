@@ -7,16 +7,22 @@ parameters' and buffers' names, shapes, dtypes and ``requires_grad``) occur at l
 the model, outermost such (the layers of a ``ModuleList``). While the step is recorded, a call
 of a block runs through an autograd function (``_BlockCall``) keyed by everything the recording
 of the block can depend on: the block's structure, the ``training`` flag of each of its modules,
-grad and autocast state, the arguments' structure and non-tensor values, and each tensor's dtype,
-device, ``requires_grad``, symbolic sizes, strides and which arguments are the same tensor.
+grad state, the default dtype, the arguments' structure and non-tensor values, and each
+tensor's dtype, device, ``requires_grad``, symbolic sizes, strides and which arguments are the
+same tensor (under autocast, on any device type, a block is recorded as it runs).
 
 - The first call with a key records the block as usual (its forward nodes land in the step's
   graph), then its backward once into a scratch graph (``torch.autograd.grad`` of its outputs,
-  with gradients shaped like them): the key's *template*. The instance attributes the block's
-  modules read while recorded (a dropout's ``p``, a layer index) are kept with the template.
+  with gradients shaped like them): the key's *template*. What the recording read
+  (spmd_compiler/trace/reads.py) is kept with it: every attribute of the block's modules as
+  Python resolved it (an instance value, a class default, an absent name, a ``forward``
+  replaced on the instance), the attributes of other watched objects, the globals and closure
+  cells of the user code that ran inside, the environment: each as a ``reads.fingerprint``
+  (by value: a shared config object changed between blocks differs).
 - A later call with the key copies the template's forward nodes into the graph with its own
-  inputs, provided every attribute the template read has the same value (or is the same
-  object) on this block; otherwise the block is recorded as the first one was.
+  inputs, provided all of that reads the same on this block (its own modules by their path in
+  it); otherwise the block is recorded as the first one was. A block that sets an attribute,
+  or whose code assigns an attribute or a global, is never copied.
 - When autograd reaches a block's backward (every block, the first included) the template's
   backward nodes are copied with that block's forward nodes and incoming gradients; autograd
   then accumulates the returned parameter gradients as it would.
@@ -33,7 +39,11 @@ step is recorded again without it (``BlockMismatch``). ``SPMD_NO_BLOCK_REUSE=1``
 from __future__ import annotations
 
 import contextlib
+import dis
+import functools
+import os
 import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -51,12 +61,11 @@ from ..torch_internals import (
     sym_node,
     untraced,
 )
+from .reads import ABSENT_READ, expanded, fingerprint, functions_of, is_user_file, resolve
 
 _PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout)
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 _switched_off = False
 _TENSOR = object()  # a tensor's place among a block's output leaves
-_WRITTEN = object()  # an attribute the block set while recorded
 _aten = torch.ops.aten
 _SIZE_OF = (_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
             _aten.sym_storage_offset.default)
@@ -77,11 +86,12 @@ def reuse_off():
         _switched_off = saved
 
 
-def for_recording(root: torch.nn.Module) -> "BlockReuse | None":
-    """The block reuse of one recording of a step on ``root``, or None when it is off."""
-    if _switched_off or not block_reuse_enabled():
+def for_recording(root: torch.nn.Module, reads=None) -> "BlockReuse | None":
+    """The block reuse of one recording of a step on ``root`` whose Python reads are watched
+    (``reads``, spmd_compiler/trace/reads.py), or None when it is off or nothing watches them."""
+    if _switched_off or not block_reuse_enabled() or reads is None:
         return None
-    reuse = BlockReuse(root)
+    reuse = BlockReuse(root, reads)
     return reuse if reuse.paths else None
 
 
@@ -118,7 +128,7 @@ class _Template:
     out_spec: object = None
     out_leaves: list = field(default_factory=list)  # non-tensor output leaves (_TENSOR for tensors)
     differentiable: list = field(default_factory=list)  # per tensor output
-    reads: dict = field(default_factory=dict)  # (submodule path, attribute) -> value read
+    reads: "_BlockReads" = None  # what its recording read
     grad_keys: list = field(default_factory=list)  # per differentiable output
     grad_nodes: list = field(default_factory=list)  # scratch placeholders, same order
     bwd_nodes: list = field(default_factory=list)
@@ -130,7 +140,8 @@ class _Template:
 class BlockReuse:
     """The blocks of ``root`` and their templates, for one recording."""
 
-    def __init__(self, root: torch.nn.Module):
+    def __init__(self, root: torch.nn.Module, reads):
+        self.reads = reads
         groups: dict = {}
         for path, m in root.named_modules():
             if path and any(True for _ in m.parameters()):
@@ -153,7 +164,7 @@ class BlockReuse:
         if key is None:
             return forward(*args, **kwargs)
         template = self.templates.get(key)
-        if template is not None and not (template.reusable and _same_reads(m, template.reads)):
+        if template is not None and not (template.reusable and template.reads.hold(m)):
             template = None  # recorded as the first was, not copied
         call = _Call(self, m, path, forward, args, kwargs, flat, names, spec, key, template)
         self.inside = True
@@ -164,7 +175,7 @@ class BlockReuse:
         return call.unflatten(outs)
 
     def _key(self, m, args, kwargs):
-        if any(module_hooks(s) for s in m.modules()) or torch.is_autocast_enabled():
+        if any(module_hooks(s) for s in m.modules()) or _autocast_on():
             return None, None, None, None
         names = [n for n, _ in m.named_parameters()] + [n for n, _ in m.named_buffers()]
         state = [t for _, t in m.named_parameters()] + [t for _, t in m.named_buffers()]
@@ -184,6 +195,7 @@ class BlockReuse:
             else:
                 arg_key.append((type(x), x))
         key = (_structure_at_call(m), tuple(s.training for s in m.modules()),
+               torch.get_default_dtype(),
                spec, tuple(arg_key), tuple(_tensor_key(t) for t in flat))
         return key, flat, names, spec
 
@@ -193,57 +205,95 @@ def _structure_at_call(m) -> tuple:
             tuple(n for n, _ in m.named_parameters(remove_duplicate=False)))
 
 
-def _same_reads(m: torch.nn.Module, reads: dict) -> bool:
-    return all(_same(m.get_submodule(sub).__dict__.get(name, _same_reads), value)
-               for (sub, name), value in reads.items())
+def _autocast_on() -> bool:
+    """Is autocast on for any device type (``torch.is_autocast_enabled()`` alone asks about
+    CUDA only)?"""
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
-def _same(a, b) -> bool:
-    """The same object, or equal primitives (tuples and lists of them)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return type(a) in _PRIMITIVES and a == b
+@dataclass
+class _BlockReads:
+    """What a block's recording read (spmd_compiler/trace/reads.py), to compare before a copy: the
+    attributes of its own modules (by their path in the block) and of other watched objects,
+    the globals and closure cells of the code that ran inside it, the environment."""
+
+    inside: list = field(default_factory=list)  # (submodule path, name, resolved)
+    outside: list = field(default_factory=list)  # (object, name, resolved)
+    names: list = field(default_factory=list)  # (mapping, key, fingerprint): globals, cells
+    environ: dict = field(default_factory=dict)
+    why_not: str | None = None  # a read that cannot be compared: the block is never copied
+
+    def hold(self, m: torch.nn.Module) -> bool:
+        """Would ``m``'s recording read what the template's read?"""
+        subs = dict(m.named_modules(remove_duplicate=False))
+        inside = {id(s): p for p, s in subs.items()}
+        return (self.why_not is None
+                and all(p in subs and _resolved(subs[p], n, inside) == r
+                        for p, n, r in self.inside)
+                and all(_resolved(o, n, inside) == r for o, n, r in self.outside)
+                and all(fingerprint(_get(mp, k), inside) == r for mp, k, r in self.names)
+                and all(os.environ.get(k, ABSENT_READ) == v for k, v in self.environ.items()))
 
 
-@contextlib.contextmanager
-def _reads_recorded(m: torch.nn.Module, reads: dict):
-    """Record into ``reads`` the first value of every instance attribute the modules of ``m``
-    read (not parameters, buffers, submodules or hooks); an attribute they set is recorded as
-    ``_WRITTEN`` (such a block is not copied: a copy would not set it)."""
-    owners = {id(s): path for path, s in m.named_modules(remove_duplicate=False)}
-    patched = []
-    for cls in {type(s) for s in m.modules()}:
-        own = {k: cls.__dict__.get(k) for k in ("__getattribute__", "__setattr__")}
-        get, put = cls.__getattribute__, cls.__setattr__
+def _get(mapping, key):
+    if isinstance(mapping, types.CellType):
+        try:
+            return mapping.cell_contents
+        except ValueError:
+            return ABSENT_READ
+    return mapping.get(key, ABSENT_READ)
 
-        def recording(self, name, _get=get):
-            value = _get(self, name)
-            path = owners.get(id(self))
-            if path is not None and (path, name) not in reads and name not in _MODULE_INTERNALS \
-                    and name in object.__getattribute__(self, "__dict__"):
-                reads[(path, name)] = value
-            return value
 
-        def setting(self, name, value, _put=put):
-            if id(self) in owners:
-                reads[(owners[id(self)], name)] = _WRITTEN
-            _put(self, name, value)
+def _resolved(obj, name: str, inside: dict) -> tuple:
+    where = resolve(obj, name)
+    return where[:-1] + (fingerprint(where[-1], inside),) if len(where) > 1 else where
 
-        cls.__getattribute__, cls.__setattr__ = recording, setting
-        patched.append((cls, own))
-    try:
-        yield
-    finally:
-        for cls, own in patched:
-            for k, v in own.items():
-                if v is None:
-                    delattr(cls, k)
-                else:
-                    setattr(cls, k, v)
+
+_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_ATTR", "DELETE_ATTR"})
+
+
+def _block_reads(m: torch.nn.Module, attrs: list, codes: dict, environ: dict) -> _BlockReads:
+    """The reads of a block ``m``'s recording: ``attrs`` (reads.AttrRead), the code that ran
+    inside it (code -> globals), the environment variables read."""
+    inside = {id(s): p for p, s in m.named_modules(remove_duplicate=False)}
+    out = _BlockReads(environ=dict(environ))
+    for r in attrs:
+        if r.write:
+            out.why_not = f"it sets {r.name!r}"
+            return out
+        if r.name == "training" or r.name.startswith("__"):
+            continue
+        row = (r.name, _resolved(r.obj, r.name, inside))
+        if id(r.obj) in inside:
+            out.inside.append((inside[id(r.obj)], *row))
+        else:
+            out.outside.append((r.obj, *row))
+    user = {c: g for c, g in codes.items() if is_user_file(c.co_filename)}
+    cells = {v for c in user for v in c.co_cellvars}
+    for code, g in user.items():
+        if _WRITES.intersection(_opnames(code)):
+            out.why_not = f"{code.co_qualname} assigns an attribute or a global"
+            return out
+        for n in code.co_names:
+            if n in g:
+                out.names.append((g, n, fingerprint(g[n], inside)))
+                if isinstance(g[n], types.ModuleType) and _user_module(g[n]):
+                    out.names += [(vars(g[n]), a, fingerprint(vars(g[n])[a], inside))
+                                  for a in code.co_names if a in vars(g[n])]
+    free = {c: set(c.co_freevars) - cells - {"__class__"} for c in user}
+    for f in functions_of([c for c, names in free.items() if names]):
+        out.names += [(cell, None, fingerprint(_get(cell, None), inside))
+                      for cell in f.__closure__ or ()]
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _opnames(code) -> frozenset:
+    return frozenset(ins.opname for ins in dis.get_instructions(code))
+
+
+def _user_module(module: types.ModuleType) -> bool:
+    return is_user_file(getattr(module, "__file__", None) or "<")
 
 
 class _Call:
@@ -275,10 +325,16 @@ class _Call:
         state = dict(zip(self.names, leaves))
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: alias[id(x)],
                                             (self.args, self.kwargs))
-        reads: dict = {}
-        with torch.enable_grad(), _reparametrize_module(self.m, state, strict=False), \
-                _reads_recorded(self.m, reads):
-            out = self.forward(*args, **kwargs)
+        seen, codes = self.reuse.reads, {}
+        read_mark = seen.mark()
+        tracer.block_codes, tracer.block_frame = codes, sys._getframe()
+        try:
+            with torch.enable_grad(), _reparametrize_module(self.m, state, strict=False):
+                out = self.forward(*args, **kwargs)
+        finally:
+            tracer.block_codes = tracer.block_frame = None
+        codes = expanded({**codes, **seen.readers(read_mark)})
+        reads = _block_reads(self.m, seen.since(read_mark), codes, seen.environ)
         out_leaves, out_spec = pytree.tree_flatten(out)
         fwd_nodes = []
         node = mark.next
@@ -290,7 +346,7 @@ class _Call:
                       [proxy_node(o, tracer) for o in outs], out_spec,
                       [_TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves],
                       [o.requires_grad for o in outs], reads)
-        t.reusable = self._checked_forward(t, outs, out_leaves) and _WRITTEN not in reads.values()
+        t.reusable = self._checked_forward(t, outs, out_leaves) and reads.why_not is None
         if t.reusable:
             self._record_backward(t, leaves, outs)
         if self.key not in self.reuse.templates:

@@ -3,25 +3,33 @@ value the recording read (a submodule's ``Dropout.p``, a temperature attribute, 
 weight, a closure variable, an attribute of a bound-method step's instance, an optimizer's
 ``momentum``) as a constant, so it is valid only while those values are unchanged.
 
-**What is guarded.** After the recording, the code that ran is known: every code object on the
-stack of a recorded op (``tracing._StepTracer``), with its globals, extended by what those can
-call by name (functions in their globals and closures, methods of the objects below, nested
-code). The names this code reads (``co_names``) select, among
+**What is guarded.** What the recording read (spmd_compiler/trace/reads.py):
 
-- the attributes of the model's submodules, of a bound-method step's instance (``self``), and of
-  the objects and Python modules reached below;
-- the globals of the user's code (not torch's, not the standard library's), and the closure
-  cells of the step and of the functions it reaches;
+- every attribute read on the model's modules and on a bound-method step's instance (``self``),
+  however it was asked for (``getattr`` with any name) and wherever Python found it: an instance
+  value; a class attribute (guarded in the class of the MRO that holds it, and guarded absent in
+  the instance and the user's classes before it); a name found nowhere (a ``getattr`` default:
+  guarded absent);
+- the code that ran (on a recorded op's stack, or reading a watched attribute) and what it
+  reaches by name: the globals of the user's code (not torch's, not the standard library's; the
+  launched script's own globals, ``__main__``/``__mp_main__``, by the step's own globals dict),
+  the closure cells of the step and of the functions it reaches, and, among the objects and
+  Python modules reached so, the attributes that code names (``co_names`` and its constant
+  strings), through the type too;
+- every item (any key) and the length of a list, tuple or dict reached so;
+- the environment variables the user's code read;
 - every entry of the optimizers' ``param_groups`` but ``params`` and the lifted learning rate,
 
 the plain values (but names the code that ran assigns: state the step writes, which
-spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enum members and tuples of them (and those of a
-plain dict reached so, under a string key the user's code names). Each is a
-``ValueGuard``: its name as the user would write it, a path from the step's roots to it (valid
-in another process: the disk cache checks stored programs with the same guards), the value at
-recording and the line that read it. Objects and modules along the way are followed three
-levels deep; a container replaced after the compile (a global rebound to another object) is
-not noticed, only the values inside the one that was read.
+spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enum members and
+tuples of them. Each is a ``ValueGuard``: its name as the user would write it, a path from the
+step's roots to it (valid in another process: the disk cache and the shared compile check
+programs with the same guards on the rank that runs them), the value at recording and the line
+that read it. Objects and modules along the way are followed three levels deep; a container
+replaced after the compile (a global rebound to another object) is not noticed, only the values
+inside the one that was read. A read no path reaches (a closure cell holding data in a function
+no root reaches, globals that are not their module's) becomes a guard that never holds, logged
+once: the program serves the call it was recorded for, and is neither shared nor cached.
 
 **Checked** on every call with the program's other guards (``runtime.program.CompiledGraph.guards_hold``):
 a dict lookup and an equality per guard. A change recompiles (logged on the ``spmd_compiler``
@@ -47,8 +55,35 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..runtime.dispatch import is_plain
+from .reads import expanded, functions_of, is_user_file, resolve
 
-_MISSING = object()
+
+class _Absent:
+    """The value of a guard on a name that is not there (an attribute a class default stands
+    for, a ``getattr`` default, an unset environment variable); the same object after pickling."""
+
+    def __repr__(self):
+        return "<absent>"
+
+    def __reduce__(self):
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+_MISSING = ABSENT
+
+
+class _Unguardable:
+    """The value of a guard on a read that cannot be guarded: it never holds, so the program is
+    used for the one call it was recorded for (and neither shared nor loaded from the cache)."""
+
+    def __eq__(self, other):
+        return False
+
+    __hash__ = object.__hash__
+
+    def __repr__(self):
+        return "<not guardable>"
 _MAX_DEPTH = 3
 # module attributes that are structure (in the step's static key) or bookkeeping, not values
 _SKIPPED_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training", "_spmd_eager"})
@@ -66,23 +101,37 @@ class ValueGuard:
     lifted: bool = False  # a program input: its value is passed on every call, not compared
 
 
-@functools.cache
-def _library_dirs() -> tuple[str, ...]:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
-    paths = sysconfig.get_paths()
-    return tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), here,
-                                                paths["stdlib"], paths["platstdlib"]))
-
-
-def is_user_file(filename: str) -> bool:
-    """Code outside torch, this package and the standard library."""
-    return not filename.startswith("<") and not filename.startswith(_library_dirs())
-
-
 # ---------------------------------------------------------------------------------------------
-# Paths: ("model",) / ("self",) / ("fn",) / ("optimizer", k) / ("global", module name) roots,
-# then steps ("sub", submodule path), ("attr", name), ("item", key), ("group", index),
-# ("cell", free variable name).
+# Paths: ("model",) / ("self",) / ("fn",) / ("optimizer", k) / ("global", module name) /
+# ("environ",) / ("unguardable",) roots, then steps ("sub", submodule path), ("attr", name),
+# ("item", key), ("group", index), ("cell", free variable name), ("type", index in the MRO),
+# ("len", None).
+
+
+class _Attrs:
+    """A class's own attributes, or a list's or tuple's items, or a container's length, as a
+    mapping (the guards read every value with ``get``; a lifted number is written with
+    ``[key] = ``)."""
+
+    __slots__ = ("obj", "kind")
+
+    def __init__(self, obj, kind: str):
+        self.obj, self.kind = obj, kind
+
+    def get(self, key, default=_MISSING):
+        if self.kind == "len":
+            return len(self.obj)
+        if self.kind == "class":
+            return vars(self.obj).get(key, default)
+        return self.obj[key] if -len(self.obj) <= key < len(self.obj) else default
+
+    def __setitem__(self, key, value):
+        if self.kind == "class":
+            setattr(self.obj, key, value)
+        elif self.kind == "seq" and isinstance(self.obj, list):
+            self.obj[key] = value
+        else:
+            raise LookupError(f"{self.kind} {key!r} cannot be written")
 
 
 class _Cell:
@@ -114,6 +163,10 @@ def step_roots(fn: Callable, sa) -> dict:
         roots[("self",)] = fn  # a callable object: its __call__ reads its attributes
     for k, opt in enumerate(sa.optimizers):
         roots[("optimizer", k)] = opt
+    roots[("environ",)] = os.environ
+    module = getattr(fn, "__globals__", {}).get("__name__")
+    if isinstance(module, str):  # (the launched script's globals may not be its module's dict)
+        roots[("global", module)] = fn.__globals__
     return roots
 
 
@@ -124,6 +177,10 @@ def _unwrap(fn: Callable) -> Callable:
 
 
 def _root(head: tuple, roots: dict):
+    if head in roots:
+        return roots[head]
+    if head[0] == "unguardable":
+        raise LookupError("a read that cannot be guarded")
     if head[0] == "global":
         module = sys.modules.get(head[1])
         if module is None:
@@ -140,6 +197,8 @@ def _step(obj, step: tuple):
         return obj.param_groups[arg]
     if kind == "cell":
         return _Cell(obj.__closure__[obj.__code__.co_freevars.index(arg)])
+    if kind == "type":
+        return type(obj).__mro__[arg]
     raise LookupError(f"unknown step {step}")
 
 
@@ -159,8 +218,16 @@ def slot(path: tuple, roots: dict):
     last = steps[-1]
     if last[0] == "cell":
         return _step(obj, last), None
-    if last[0] == "item" or isinstance(obj, dict):
+    if last[0] == "len":
+        return _Attrs(obj, "len"), None
+    if last[0] == "type":
+        raise LookupError("a path ends at a class")
+    if isinstance(obj, (list, tuple)):
+        return _Attrs(obj, "seq"), last[1]
+    if last[0] == "item" or isinstance(obj, dict) or obj is os.environ:
         return obj, last[1]
+    if isinstance(obj, type):
+        return _Attrs(obj, "class"), last[1]
     return vars(obj), last[1]
 
 
@@ -195,7 +262,7 @@ class ValueGuards:
         for g, (mapping, key, value) in zip([g for g in self.guards if not g.lifted], self._checked):
             now = mapping.get(key, _MISSING)
             if now is not value and (now != value or type(now) is not type(value)):
-                out.append((g, "<missing>" if now is _MISSING else now))
+                out.append((g, now))
         return out
 
 
@@ -230,6 +297,8 @@ class LiftPolicy:
 
     def recompiled_for(self, changes: list[tuple[ValueGuard, Any]]) -> None:
         for g, now in changes:
+            if g.path[-1][0] not in ("attr", "item", "cell"):
+                continue  # a length, an environment variable: compared, never an input
             numbers = all(isinstance(v, _NUMBERS) and not isinstance(v, bool) for v in (g.value, now))
             if numbers and g.path not in self.constant and g.path not in self.lift:
                 self.lift.append(g.path)
@@ -280,22 +349,27 @@ def substituted(paths: list[tuple], roots: dict, values: list):
 # Collecting
 
 
-def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = ()) -> tuple[list[ValueGuard], list[str]]:
+def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = (),
+            reads=None) -> tuple[list[ValueGuard], list[str]]:
     """The guards of a recording of ``fn`` on ``sa`` whose stacks held ``codes`` (code object
-    -> its globals), the ``lifted`` paths first (in order, as program inputs); and the source
-    files of every code it considered."""
+    -> its globals) and which read ``reads`` (spmd_compiler/trace/reads.py: the attributes of
+    the model's modules and of the step's instance, the code that read them, the environment), the
+    ``lifted`` paths first (in order, as program inputs); and the source files of every code it
+    considered."""
     roots = step_roots(fn, sa)
     outer, frame = set(), sys._getframe(1)
     while frame is not None:  # the caller's code, on every recorded stack, read nothing inside
         outer.add(frame.f_code)
         frame = frame.f_back
-    c = _Collector({code: g for code, g in codes.items() if code not in outer}, roots)
+    ran = {**codes, **(reads.readers() if reads is not None else {})}
+    c = _Collector({code: g for code, g in ran.items() if code not in outer}, roots, reads)
     for _ in range(3):  # methods and functions found in values name more code
         before = len(c.codes)
         c.expand()
         c.walk(sa, lifted)
         if len(c.codes) == before:
             break
+    c.unreached_closures(set(ran) - outer)
     out = []
     for p in lifted:
         mapping, key = slot(p, roots)
@@ -310,47 +384,42 @@ def _name_of(path: tuple) -> str:
     return ".".join(str(s[-1]) for s in path)
 
 
+_log = logging.getLogger("spmd_compiler")
+_UNGUARDABLE_LOGGED: set = set()
+
+
 class _Collector:
-    def __init__(self, codes: dict, roots: dict):
+    def __init__(self, codes: dict, roots: dict, reads=None):
         self.codes = dict(codes)
         self.roots = roots
+        self.reads = reads
         self.guards: dict[tuple, ValueGuard] = {}
         self.names: set[str] = set()
         self.stored: set[str] = set()
         self._seen_objects: set[int] = set()
-        self._done_codes: set = set()
+        self._reached: set = set()  # code objects whose closure cells are guarded by a path
         self._model_modules = {id(m) for m in roots[("model",)].modules()}
         fn = roots[("fn",)]
         if not isinstance(fn, types.FunctionType):
             fn = getattr(type(fn), "__call__", None)
         if isinstance(fn, types.FunctionType):
             self.codes.setdefault(fn.__code__, fn.__globals__)
-        self.keys: set[str] = set()  # string constants of the user's code: dict keys it reads
+        self.keys: set[str] = set()  # string constants of the user's code: names it reads
 
     def expand(self) -> None:
         """Add nested code and the user functions that user code can call by a global name."""
-        todo = [c for c in self.codes if c not in self._done_codes]
-        while todo:
-            code = todo.pop()
-            self._done_codes.add(code)
-            g = self.codes[code]
-            if not is_user_file(code.co_filename):
-                continue
-            for const in code.co_consts:
-                if isinstance(const, types.CodeType) and const not in self.codes:
-                    self.codes[const] = g
-                    todo.append(const)
-            for n in code.co_names:
-                f = g.get(n)
-                if isinstance(f, types.FunctionType) and f.__code__ not in self.codes:
-                    self.codes[f.__code__] = f.__globals__
-                    todo.append(f.__code__)
-        self.names = set().union(*(c.co_names for c in self.codes))
+        self.codes = expanded(self.codes)
+        user = [c for c in self.codes if is_user_file(c.co_filename)]
+        self.keys = {k for c in user for k in c.co_consts if isinstance(k, str)}
+        # what user code names: attribute and global names, and the constant strings it may
+        # pass to getattr or use as keys
+        self.names = set().union(*(c.co_names for c in self.codes)) | self.keys
+        self.user_names = set().union(*(c.co_names for c in user)) | self.keys
         # names the code that ran assigns (self.n += 1, global n): state the step writes, which
         # spmd_compiler/trace/side_effects.py replays after each call; not a constant to guard
         self.stored = set().union(*(_stored_names(c) for c in self.codes))
-        self.keys = {k for c in self.codes if is_user_file(c.co_filename)
-                     for k in c.co_consts if isinstance(k, str)}
+        if self.reads is not None:
+            self.stored |= {r.name for r in self.reads.attrs if r.write}
 
     def walk(self, sa, lifted) -> None:
         self._seen_objects.clear()
@@ -370,14 +439,38 @@ class _Collector:
                                   (("optimizer", k), ("group", gi), ("item", key)), v, key,
                                   where=f"{type(opt).__qualname__}.step()")
         for code, g in list(self.codes.items()):
-            if not is_user_file(code.co_filename):
-                continue
-            module = g.get("__name__")
-            if not isinstance(module, str) or getattr(sys.modules.get(module), "__dict__", None) is not g:
-                continue
-            for n in code.co_names:
-                if n in g:
-                    self._value(g[n], f"{module}.{n}", (("global", module), ("item", n)), 1, n)
+            if is_user_file(code.co_filename):
+                self._globals(code, g)
+        self._environment()
+
+    def _globals(self, code, g: dict) -> None:
+        module = g.get("__name__")
+        names = [n for n in code.co_names if n in g]
+        if not names:
+            return
+        head = ("global", module) if isinstance(module, str) else ("unguardable",)
+        try:
+            same = _root(head, self.roots) is g
+        except LookupError:
+            same = False
+        if not same:  # code run with globals no path reaches (exec'd into a private dict)
+            self._unguardable(f"the globals {', '.join(names[:3])} of {code.co_name}",
+                              f'File "{code.co_filename}", line {code.co_firstlineno}')
+            return
+        for n in names:
+            self._value(g[n], f"{module}.{n}", (head, ("item", n)), 1, n)
+
+    def _environment(self) -> None:
+        if self.reads is None:
+            return
+        env = dict(self.reads.environ)
+        if self.reads.environ_listed:
+            env.update({k: os.environ.get(k) for k in os.environ})
+            self._add("len(os.environ)", (("environ",), ("len", None)), len(os.environ), "environ",
+                      where="the step lists the environment")
+        for k, v in env.items():
+            value = ABSENT if v == "<absent>" else v
+            self._add(f"os.environ[{k!r}]", (("environ",), ("item", k)), value, k)
 
     def _value(self, v, name: str, path: tuple, depth: int, attr: str) -> None:
         if is_plain(v):
@@ -390,42 +483,126 @@ class _Collector:
                     self._object(v, name, path, depth + 1)
             elif isinstance(v, torch.nn.Module) and id(v) in self._model_modules:
                 pass  # walked as part of the model
-            elif type(v) is dict and len(v) <= 256:  # a config dict read by key
-                for k in self.keys.intersection(k for k in v if isinstance(k, str)):
-                    self._value(v[k], f"{name}[{k!r}]", path + (("item", k),), depth + 1, k)
+            elif type(v) in (list, tuple, dict) and len(v) <= 256:
+                self._container(v, name, path, depth)
             elif hasattr(v, "__dict__") and not isinstance(v, (torch.optim.Optimizer, types.MethodType)) \
                     and not type(v).__module__.startswith(__package__):  # (a compiled step)
                 self._object(v, name, path, depth + 1, module=isinstance(v, torch.nn.Module))
+
+    def _container(self, v, name: str, path: tuple, depth: int) -> None:
+        """A list, tuple or dict the step reaches: its length and every item (any key)."""
+        if type(v) is not tuple:
+            self._add(f"len({name})", path + (("len", None),), len(v), "len")
+        items = v.items() if type(v) is dict else enumerate(v)
+        for k, x in items:
+            if is_plain(k):
+                self._value(x, f"{name}[{k!r}]", path + (("item", k),), depth + 1, str(k))
 
     def _object(self, obj, name: str, path: tuple, depth: int, module: bool = False) -> None:
         if id(obj) in self._seen_objects:
             return
         self._seen_objects.add(id(obj))
+        if self.reads is not None and id(obj) in self.reads.watched:
+            self._watched(obj, name, path, depth)
+        else:
+            self._named(obj, name, path, depth, module)
+        if not isinstance(obj, types.ModuleType):
+            for f in _user_methods(type(obj), self.names):
+                self.codes.setdefault(f.__code__, f.__globals__)
+
+    def _named(self, obj, name: str, path: tuple, depth: int, module: bool) -> None:
+        """An object whose attribute reads were not watched: the attributes user code names,
+        through the type and its MRO (user classes), absent ones included."""
         attrs = vars(obj)
         for n in self.names.intersection(attrs):
             if n in _SKIPPED_ATTRS or (module and "hook" in n):
                 continue
             self._value(attrs[n], f"{name}.{n}", path + (("attr", n),), depth, n)
-        if not isinstance(obj, types.ModuleType):
-            for f in _user_methods(type(obj), self.names):
-                self.codes.setdefault(f.__code__, f.__globals__)
+        if isinstance(obj, types.ModuleType):
+            return
+        for n in self.user_names.difference(attrs):
+            if n.isidentifier() and not n.startswith("__"):
+                self._through_type(obj, n, name, path, depth, user_only=True)
+
+    def _watched(self, obj, name: str, path: tuple, depth: int) -> None:
+        """An object whose attribute reads were watched: every name read, wherever it was found."""
+        for n in dict.fromkeys(r.name for r in self.reads.attrs
+                               if r.obj is obj and not r.write and r.where is not None):
+            if n in _SKIPPED_ATTRS or n.startswith(("__", "_spmd")) or "hook" in n:
+                continue  # (this package's own marks on a module are not the step's values)
+            if n in vars(obj):
+                self._value(vars(obj)[n], f"{name}.{n}", path + (("attr", n),), depth, n)
+            else:
+                self._through_type(obj, n, name, path, depth, user_only=False)
+
+    def _through_type(self, obj, n: str, name: str, path: tuple, depth: int, user_only: bool):
+        """A name not in ``obj``'s own dict: guarded absent there (and in the classes before
+        the one holding it), and the class's plain value."""
+        where = resolve(obj, n)
+        if where[0] == "structure" or n in self.stored:
+            return
+        mro = type(obj).__mro__
+        owner = where[1] if where[0] == "class" else len(mro)
+        if user_only and not any(_user_class(k) for k in mro[:owner + 1] if k is not object):
+            return
+        if owner < len(mro) and not is_plain(where[2]) and type(where[2]) not in (list, tuple, dict):
+            return  # a method, property or other descriptor: its code's reads are its own
+        self._add(f"{name}.{n}", path + (("attr", n),), ABSENT, n)
+        for k in range(min(owner, len(mro))):
+            if _user_class(mro[k]):
+                self._add(f"{mro[k].__qualname__}.{n}", path + (("type", k), ("attr", n)), ABSENT, n)
+        if owner < len(mro):
+            self._value(where[2], f"{mro[owner].__qualname__}.{n}",
+                        path + (("type", owner), ("attr", n)), depth, n)
 
     def _closure(self, f: types.FunctionType, name: str, path: tuple, depth: int) -> None:
         if not is_user_file(f.__code__.co_filename):
             return
         self.codes.setdefault(f.__code__, f.__globals__)
+        self._reached.add(f.__code__)
         for var, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
             value = _Cell(cell).get(None)
             if value is not _MISSING:
                 self._value(value, f"{name}.<closure {var}>", path + (("cell", var),), depth, var)
 
+    def unreached_closures(self, ran) -> None:
+        """Free variables of user code that ran, held by a function no path reaches (a
+        decorator's wrapper, a closure made elsewhere): code (functions, classes, modules) is
+        fine, its reads are its own when it runs; anything else cannot be guarded."""
+        cells = {v for c in ran for v in c.co_cellvars}
+        free = {code: set(code.co_freevars) - cells - {"__class__"} for code in ran
+                if code not in self._reached and is_user_file(code.co_filename)}
+        free = {code: names for code, names in free.items() if names}
+        for f in functions_of(list(free)):
+            code = f.__code__
+            for var, cell in zip(code.co_freevars, f.__closure__ or ()):
+                if var in free[code] and not _is_code(_Cell(cell).get(None)):
+                    self._unguardable(f"closure variable {var!r} of {code.co_qualname}",
+                                      f'File "{code.co_filename}", line {code.co_firstlineno}')
+                    return
+
+    def _unguardable(self, what: str, where: str) -> None:
+        path = (("unguardable",), ("item", what))
+        if path not in self.guards:
+            self.guards[path] = ValueGuard(what, path, _Unguardable(), where)
+        if (what, where) not in _UNGUARDABLE_LOGGED:
+            _UNGUARDABLE_LOGGED.add((what, where))
+            _log.warning("spmd_compiler: the step reads %s (%s), which cannot be guarded: its "
+                         "program serves one call (recompiled on every call, neither shared "
+                         "between ranks nor cached)", what, where)
+
     def _add(self, name: str, path: tuple, value, attr: str, where: str | None = None) -> None:
-        if path[0][0] != "optimizer" and attr in self.stored:
+        if path[0][0] not in ("optimizer", "environ") and attr in self.stored:
             return
         if path not in self.guards:
-            self.guards[path] = ValueGuard(name, path, value, where or self._where(attr))
+            self.guards[path] = ValueGuard(name, path, value, where or self._where(attr, path))
 
-    def _where(self, attr: str) -> str:
+    def _where(self, attr: str, path: tuple = ()) -> str:
+        if self.reads is not None:
+            for r in self.reads.attrs:
+                if r.name == attr and r.where is not None and not r.write:
+                    code, line = r.where
+                    return f'File "{code.co_filename}", line {line}, in {code.co_name}'
         readers = [c for c in self.codes
                    if attr in c.co_names or attr in c.co_freevars or attr in c.co_consts]
         readers.sort(key=lambda c: not is_user_file(c.co_filename))
@@ -433,6 +610,16 @@ class _Collector:
             line = _line_reading(code, attr)
             return f'File "{code.co_filename}", line {line}, in {code.co_name}'
         return "<unknown location>"
+
+
+def _user_class(cls: type) -> bool:
+    return is_user_file(getattr(sys.modules.get(cls.__module__), "__file__", None) or "<")
+
+
+def _is_code(v) -> bool:
+    return v is _MISSING or isinstance(v, (types.FunctionType, types.BuiltinFunctionType,
+                                           types.MethodType, type, types.ModuleType,
+                                           functools.partial))
 
 
 def _user_methods(cls: type, names: set[str]) -> list[types.FunctionType]:

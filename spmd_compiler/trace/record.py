@@ -69,6 +69,7 @@ from ..features import tensor_parallel as tp
 from ..features.halo_conv import halo_convolution
 from ..runtime.call_args import LIFTED_HPARAMS, StepArgs, split_step_args
 from . import block_reuse
+from .reads import Reads, watching as watch_reads
 
 
 # Optimizers whose ``fused=True`` implementation computes the same update as their default and
@@ -183,11 +184,11 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
 
 
 def record(fn: Callable, module: torch.nn.Module, codes: dict | None = None,
-           ) -> Callable[..., torch.fx.GraphModule]:
+           seen: "Reads | None" = None) -> Callable[..., torch.fx.GraphModule]:
     """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
     the path of the submodule of ``module`` they were recorded in. Adds to ``codes`` every code
     Python file with code on the stack of a recorded node."""
-    recorder = StepRecorder(module, block_reuse.for_recording(module))
+    recorder = StepRecorder(module, block_reuse.for_recording(module, seen))
 
     def run(*args):
         try:
@@ -457,7 +458,14 @@ class _StatelessStep:
         return new_states
 
 
-def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict) -> torch.fx.GraphModule:
+def _watched_objects(roots: dict) -> list:
+    """The objects whose attribute reads a recording watches (spmd_compiler/trace/reads.py): the
+    model's modules and a bound-method step's instance."""
+    return [*roots[("model",)].modules(), *([roots[("self",)]] if ("self",) in roots else [])]
+
+
+def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict,
+             seen: "Reads | None" = None) -> torch.fx.GraphModule:
     """Record ``step(*args)``; every failure becomes a TraceError (an UnsupportedError when it
     is in the optimizer's code)."""
     fn, sa = step.fn, step.sa
@@ -469,7 +477,7 @@ def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict) -> torch.
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, backed_size_oblivious(), \
                 faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution():
-            return record(step, sa.module, codes)(*args)
+            return record(step, sa.module, codes, seen)(*args)
     except SPMDError:
         raise
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes a TraceError
@@ -526,10 +534,12 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     step = _StatelessStep(fn, sa, st, counts, len(fake_inputs), reads, fuse_optimizer, mp_policy,
                           accumulation, lifted)
     step.subclasses = recording
-    codes: dict = {}  # code objects that ran -> their globals
-    gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
-                                    *fake_inputs, *[fake_static(p) for p in trainable]], codes)
-    value_guards, source_files = guards.collect(fn, sa, codes, list(lift))
+    codes: dict = {}  # code objects on the stack of a recorded op -> their globals
+    with watch_reads(_watched_objects(lifted[1])) as seen:
+        gm = _make_fx(step, fake_mode, [*fake_params, *fake_buffers, *fake_states, *hparams,
+                                        *fake_inputs, *[fake_static(p) for p in trainable]],
+                      codes, seen)
+    value_guards, source_files = guards.collect(fn, sa, codes, list(lift), seen)
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
         params=tuple(st.fqn_of[id(p)] for p in st.params),
