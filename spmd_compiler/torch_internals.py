@@ -76,7 +76,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, _MakefxTracer, get_proxy_mode
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_slot
 from torch.fx.experimental.sym_node import SymNode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, uninteresting_files
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_symbols, uninteresting_files
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
@@ -93,7 +93,8 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     "local_tensor", "marked_dynamic_dims",
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
-    "refuse_reentrant_checkpoint", "size_oblivious_reshape", "tag_regions", "direct_op_calls",
+    "refuse_reentrant_checkpoint", "size_oblivious_reshape", "symbolic_floats_unhashable",
+    "tag_regions", "direct_op_calls",
     # block reuse (spmd_compiler/trace/block_reuse.py)
     "BLOCK_REUSE_OFF_ENV", "block_reuse_enabled", "proxy_node", "bind_proxy", "untraced", "sym_node",
     "recording_into", "module_hooks",
@@ -375,6 +376,41 @@ def size_oblivious_reshape():
     finally:
         del op.py_kernels[_COMPOSITE]
         op._dispatch_cache.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Symbolic floats in DTensor's sharding propagation
+#
+# While recording, an optimizer's update hands DTensor ops symbolic floats: the learning rate
+# (lifted as a SymFloat, ``param.add_(grad, alpha=-lr)``, AdamW's ``param.mul_(1 - lr * wd)``)
+# and single-tensor Adam's step count read as a Python number (``step_t.item()``, data-dependent).
+# DTensor's sharding propagation caches its expanded strategy by the op's schema, scalars
+# included (single_dim_strategy.py, ``functools.lru_cache``), and skips the cache when hashing
+# raises a TypeError ("unhashable types (SymInts)"). Hashing a SymFloat instead asks for its
+# value: a guard that specializes the learning rate, or that the tracer cannot answer for the
+# step count (GuardOnDataDependentSymNode). While recording, a symbolic float is unhashable
+# (TypeError): DTensor computes the strategy uncached, which does not depend on the scalar's
+# value, and the graph keeps the value symbolic.
+
+
+def _unhashable_if_symbolic(original):
+    def __hash__(self):
+        if free_symbols(self):
+            raise TypeError("a symbolic float is not hashable while the step is recorded")
+        return original(self)
+
+    return __hash__
+
+
+@contextlib.contextmanager
+def symbolic_floats_unhashable():
+    """While recording: ``hash()`` of a symbolic SymFloat raises TypeError."""
+    original = torch.SymFloat.__hash__
+    torch.SymFloat.__hash__ = _unhashable_if_symbolic(original)
+    try:
+        yield
+    finally:
+        torch.SymFloat.__hash__ = original
 
 
 # ---------------------------------------------------------------------------------------------

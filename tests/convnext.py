@@ -1,9 +1,9 @@
 """Seed 000's DTensor ConvNeXt (torch/distributed/_tensor/examples/convnext_example.py), ported to
-CPU: the model, its weight init and its ``distribute_module`` partition function. One change: the
-partition function registers only each module's own parameters (``recurse=False``). The seed's
-recursive version also registers, on every ancestor, a flattened DTensor copy of each nested
-parameter that the forward never uses (eager Adam skips them; a compiled step reports parameters
-without gradient)."""
+CPU: the model, its weight init and its ``distribute_module`` partition function, twice: as the
+seed wrote it (``seed_conv_fn``: the recursive ``named_parameters()`` also registers, on every
+ancestor, a flattened DTensor copy of each nested parameter that the forward never uses; eager
+Adam skips them) and registering each module's own parameters only (``conv_fn``,
+``recurse=False``)."""
 
 from __future__ import annotations
 
@@ -113,6 +113,18 @@ def conv_fn(name, module, device_mesh) -> None:
     """The seed's ``_conv_fn``: replicated DTensor parameters with a hook that redistributes
     each gradient to the parameter's placement."""
     for name, param in module.named_parameters(recurse=False):
+        dist_spec = [Replicate()]
+        dist_param = torch.nn.Parameter(distribute_tensor(param, device_mesh, dist_spec))
+        dist_param.register_hook(lambda grad: grad.redistribute(placements=dist_spec))
+        name = "_".join(name.split("."))
+        module.register_parameter(name, dist_param)
+
+
+def seed_conv_fn(name, module, device_mesh) -> None:
+    """The seed's ``_conv_fn`` exactly as written: ``named_parameters()`` recurses, so each
+    module also registers replicated copies of its descendants' parameters under flattened names
+    (``stages_0_0_dwconv_weight`` on the root, ...) that the forward never uses."""
+    for name, param in module.named_parameters():
         dist_spec = [Replicate()]
         dist_param = torch.nn.Parameter(distribute_tensor(param, device_mesh, dist_spec))
         dist_param.register_hook(lambda grad: grad.redistribute(placements=dist_spec))

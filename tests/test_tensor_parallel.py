@@ -389,6 +389,91 @@ def dp_tp_job(style: str):
                 counts=collective_nodes(step), shown=shown_collectives(step))
 
 
+def _eager_dp_step(style: str, mesh, step_fn):
+    """The eager reference of a dp x tp step: FSDP2 + TP runs the step as it is; TP under
+    replicate averages each gradient over "dp" before the optimizer (DDP over TP)."""
+    def ddp_step(model, optim, *batch):
+        optim.zero_grad()
+        loss = step_fn.loss(model, *batch)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(g, group=mesh["dp"].get_group())
+                g.div_(mesh["dp"].size())
+        optim.step()
+        return loss
+
+    return step_fn if style == "fully_shard" else ddp_step
+
+
+def token_ce_loss(model, tokens, target):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+
+
+def mse_loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def user_step(loss_fn):
+    """A step as users write it (zero_grad, loss, backward, step), the loss ``loss_fn``."""
+    def step(model, optim, *batch):
+        optim.zero_grad()
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        optim.step()
+        return loss
+
+    step.loss = loss_fn
+    return step
+
+
+def optimizer_as_written_job(style: str, model_name: str, optimizer: str, kwargs: dict):
+    """dp x tp (2 x 2) with ``torch.optim.<optimizer>(model.parameters(), **kwargs)`` exactly as
+    written (default single-tensor, or foreach): the common_dtensor Transformer without sequence
+    parallel (its norms stay plain tensors, so the optimizer runs its own per-parameter path) or
+    the MLP; against eager FSDP2 + TP (fully_shard) or eager TP with gradients averaged over dp
+    (replicate), every parameter and optimizer state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed._tensor.common_dtensor import (
+        MLPModule, ModelArgs, Transformer)
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    if model_name == "transformer":
+        base = Transformer(ModelArgs(dropout_p=0.0, n_layers=1, vocab_size=16, max_seq_len=8, dim=16))
+        parallelize = lambda m: Transformer.parallelize(m, mesh["tp"], False, local_output_for_attn=True)
+        step_fn = user_step(token_ce_loss)
+        batch = lambda: (torch.randint(16, (4, 8)), torch.randint(16, (4, 8)))
+    else:
+        base = MLPModule("cpu")
+        plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+        parallelize = lambda m: parallelize_module(m, mesh["tp"], plan)
+        step_fn = user_step(mse_loss)
+        batch = lambda: (torch.rand(8, 10), torch.rand(8, 10))
+    eager, compiled = parallelize(copy.deepcopy(base)), parallelize(copy.deepcopy(base))
+    if style == "fully_shard":
+        fully_shard(eager, mesh=mesh["dp"])
+    opt_cls = getattr(torch.optim, optimizer)
+    opts = [opt_cls(m.parameters(), **kwargs) for m in (eager, compiled)]
+    eager_step = _eager_dp_step(style, mesh, step_fn)
+    step = spmd_compile(DataParallel(style), mesh=mesh)(step_fn)
+    chk = ParityChecker()
+    for i in range(STEPS):
+        torch.manual_seed(100 + i + 1000 * mesh["dp"].get_local_rank())
+        tensors = batch()
+        ref = eager_step(eager, opts[0], *tensors)
+        chk.close("loss", f"step {i} loss", step(compiled, opts[1], *tensors), ref)
+    compare_models(chk, f"vs eager {style}", compiled, opts[1], eager, opts[0])
+    return dict(problems=chk.problems, max_err=chk.max_err, compiles=step.compile_count)
+
+
 def shown_collectives(step) -> dict:
     """How the summary, the cross-rank program description and the graph dump show the
     collectives of the last compiled graph."""
@@ -450,6 +535,15 @@ def test_hybrid_shard_x_tp(pool4, shape):
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
 
 
+@pytest.mark.parametrize("pool", [8], indirect=True)
+def test_hybrid_shard_x_tp_8_ranks(pool):
+    """2 x 2 x 2 (replicate, shard, tp) on 8 ranks: every dim of size 2, so each parameter is
+    replicated, sharded and tensor-parallel at once (one small case: 8 processes)."""
+    reps = pool.run(hybrid_tp_job, (2, 2), timeout=1800)
+    for rank, rep in enumerate(reps):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+
+
 @pytest.mark.parametrize("style", ["fully_shard", "replicate"])
 def test_dp_x_tp(pool4, style):
     reps = run_without_problems(pool4, dp_tp_job, style, timeout=600)
@@ -467,6 +561,59 @@ def test_dp_x_tp(pool4, style):
     assert [r["shown"]["described"] for r in reps] == [shown["described"]] * 4
 
 
+@pytest.mark.parametrize("style,model_name,optimizer,kwargs", [
+    ("fully_shard", "transformer", "Adam", {}),
+    ("fully_shard", "transformer", "AdamW", {}),
+    ("replicate", "transformer", "SGD", {"lr": 0.1, "momentum": 0.9}),
+    ("replicate", "mlp", "Adam", {"foreach": True}),
+], ids=["fully_shard-Adam", "fully_shard-AdamW", "replicate-SGD", "replicate-Adam-foreach"])
+def test_optimizer_as_written_dp_x_tp(pool4, style, model_name, optimizer, kwargs):
+    """The optimizer exactly as users write it on a TP'd model: Adam's single-tensor path reads
+    its step count as a Python number (symbolic while recording), the learning rate reaches
+    DTensor ops as a symbolic float, a gradient DTensor leaves Replicate on a sharded parameter."""
+    reps = run_without_problems(pool4, optimizer_as_written_job, style, model_name, optimizer,
+                                kwargs, timeout=900)
+    # one program (Adam's state is made before recording); SGD's momentum: a first program that
+    # makes its buffers, then the steady one (a step count specialized would compile each step)
+    assert reps[0]["compiles"] == (2 if optimizer == "SGD" else 1), reps[0]["compiles"]
+
+
+def lr_schedule_job():
+    """TP alone, SGD as written (DTensor has no rule for its fused kernel: the per-parameter
+    path records ``param.add_(grad, alpha=-lr)`` on DTensors) with a StepLR halving the learning
+    rate every step, against eager TP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed._tensor.common_dtensor import MLPModule
+
+    from spmd_compiler import spmd_compile
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    base = MLPModule("cpu")
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    eager, compiled = (parallelize_module(copy.deepcopy(base), mesh, plan) for _ in range(2))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in opts]
+    step = spmd_compile(mesh=mesh)(mse_adam_step)
+    chk = ParityChecker()
+    for i in range(4):
+        torch.manual_seed(100 + i)
+        x, y = torch.rand(8, 10), torch.rand(8, 10)
+        chk.close("loss", f"step {i} loss", step(compiled, opts[1], x, y), mse_adam_step(eager, opts[0], x, y))
+        for schedule in schedules:
+            schedule.step()
+    compare_models(chk, "vs eager TP", compiled, opts[1], eager, opts[0])
+    return dict(problems=chk.problems, compiles=step.compile_count)
+
+
+def test_lr_schedule_on_dtensor_parameters(pool2):
+    """The learning rate reaches DTensor ops as a symbolic float and stays one: one compile
+    over four learning rates, parity with eager TP."""
+    reps = run_without_problems(pool2, lr_schedule_job, timeout=600)
+    assert reps[0]["compiles"] == 1, reps[0]["compiles"]
+
+
 # --------------------------------------------------------------------------------------------------
 # Seed 000: a DTensor ConvNeXt whose activations are sharded on the image width
 # --------------------------------------------------------------------------------------------------
@@ -481,12 +628,15 @@ def convnext_step(model, optim, x, y_target):
     return loss
 
 
-def convnext_job():
+def convnext_job(partition: str):
+    """Seed 000's width-sharded ConvNeXt, with the seed's partition function as written
+    (``partition="seed"``: unused flattened copies of every parameter on each ancestor) or
+    registering each module's own parameters ("own"), against one device over STEPS Adam steps."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
     from spmd_compiler import spmd_compile
-    from tests.convnext import ConvNeXt, conv_fn
+    from tests.convnext import ConvNeXt, conv_fn, seed_conv_fn
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(12)
@@ -499,8 +649,11 @@ def convnext_job():
     for m in single.modules():
         if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
             m.reset_parameters()
-    compiled = distribute_module(copy.deepcopy(single), mesh, conv_fn, input_fn=None, output_fn=None)
-    eager = distribute_module(copy.deepcopy(single), mesh, conv_fn, input_fn=None, output_fn=None)
+    fn = seed_conv_fn if partition == "seed" else conv_fn
+    compiled = distribute_module(copy.deepcopy(single), mesh, fn, input_fn=None, output_fn=None)
+    eager = distribute_module(copy.deepcopy(single), mesh, fn, input_fn=None, output_fn=None)
+    used = dict(single.named_parameters())
+    unused = {n: p.detach().full_tensor() for n, p in compiled.named_parameters() if n not in used}
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (single, compiled)]
     step = spmd_compile(mesh=mesh)(convnext_step)
     chk = ParityChecker()
@@ -516,14 +669,29 @@ def convnext_job():
         if i == 0:  # eager DTensor (before any update): its forward is wrong, its backward raises
             with torch.no_grad():
                 eager_err = float((full(torch.nn.functional.cross_entropy(eager(dx), dy)) - ref).abs())
-    compare_models(chk, "vs single device", compiled, opts[1], single, opts[0])
+    params = dict(compiled.named_parameters())
+    for fqn, ref_p in used.items():
+        p = params[fqn]
+        chk.close("param", fqn, full(p.detach()), ref_p.detach())
+        for k, v in opts[0].state[ref_p].items():
+            chk.close("state", f"{fqn} {k}", full(opts[1].state[p][k]), v)
+    for fqn, before in unused.items():  # as in eager: no gradient, no update
+        p = params[fqn]
+        chk.check(p.grad is None and torch.equal(p.detach().full_tensor(), before),
+                  f"{fqn}: the forward never uses it, yet it changed")
+        state = opts[1].state.get(p, {})  # the zero state made before recording, never stepped
+        chk.check(not any(full(v).any() for v in state.values() if torch.is_tensor(v)),
+                  f"{fqn}: the optimizer stepped a parameter without gradient: {state}")
     return dict(problems=chk.problems, max_err=chk.max_err, eager_loss_err=eager_err,
-                counts=collective_nodes(step))
+                counts=collective_nodes(step), unused=len(unused))
 
 
-def test_convnext_width_sharded(pool2):
-    """Matches one device; eager DTensor does not on torch 2.13 (no halo exchange)."""
-    run_without_problems(pool2, convnext_job, timeout=600)
+@pytest.mark.parametrize("partition", ["own", "seed"])
+def test_convnext_width_sharded(pool2, partition):
+    """Matches one device; eager DTensor does not on torch 2.13 (no halo exchange). The seed's
+    partition function as written leaves copies the forward never uses: unchanged, as eager."""
+    reps = run_without_problems(pool2, convnext_job, partition, timeout=600)
+    assert (reps[0]["unused"] > 0) == (partition == "seed"), reps[0]["unused"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -560,7 +728,7 @@ def errors_job():
         "not a dim": (tp_mesh, plan, dict(parallel_mode=DataParallel("fully_shard"), mesh=mesh_2d)),
         # DataParallel asked for, but the plan uses every dim of the mesh
         "dp dim used": (tp_mesh, plan, dict(parallel_mode=DataParallel("replicate"), mesh=tp_mesh)),
-        # a plan on a module the step never calls
+        # a plan on a module the step never calls: runs as in eager, the module left unchanged
         "never called": (tp_mesh, dict(plan, unused=ColwiseParallel()), dict(mesh=tp_mesh)),
     }
     out = {}
@@ -572,7 +740,8 @@ def errors_job():
                   for n, t in model.named_parameters()}
         try:
             spmd_compile(**options)(mse_adam_step)(model, opt, torch.rand(4, 10), torch.rand(4, 10))
-            out[name] = "no error"
+            out[name] = ("no error", [n for n, t in model.named_parameters()
+                                      if not torch.equal(t.detach(), before[n][2])])
         except SPMDError as e:
             same = all(id(t) == before[n][0] and getattr(t, "placements", None) == before[n][1]
                        and torch.equal(t.detach(), before[n][2]) for n, t in model.named_parameters())
@@ -582,10 +751,12 @@ def errors_job():
 
 def test_plan_errors(pool2):
     rep = pool2.run(errors_job, timeout=300)[0]
+    # eager DTensor runs a plan on a module the forward never calls: no gradient, no update
+    assert rep["never called"] == ("no error", ["mlp.net1.weight", "mlp.net1.bias", "mlp.net2.weight",
+                                                "mlp.net2.bias"]), rep["never called"]
     for name, want in [("not a dim", "is not a dim of the step's mesh"),
-                       ("dp dim used", "already uses every dim"),
-                       ("never called", "never uses them")]:
-        assert rep[name] != "no error", name
+                       ("dp dim used", "already uses every dim")]:
+        assert rep[name][0] != "no error", name
         kind, text, unchanged = rep[name]
         assert want in text and kind == "TensorParallelError", (name, kind, text)
         assert unchanged, f"{name}: parameters or optimizer state changed before the error"

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import TensorParallelError
 from ..parallel_mode import DataParallel, check_mesh, mesh_dims
 from ..torch_internals import (
+    _resolve_process_group,
     concatenate_meshes,
     dtensor_from_spec,
     dtensor_has_rule,
@@ -116,6 +118,21 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
+def grad_as_planned(param: torch.Tensor) -> None:
+    """Inside the recording, once a planned parameter's gradient is accumulated: a gradient
+    DTensor left ``Replicate`` where the plan shards its parameter is cut to the parameter's
+    placements in ``param.grad`` (a local slice, no collective), as each of the optimizer's ops
+    (foreach, single-tensor) would cut it when reading it: the gradient the step holds is then
+    shaped like the parameter's shard, which data parallelism reduces and shards. A ``Partial``
+    gradient is left to the optimizer's reduction (one per gradient: passes/dedup_collectives)."""
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and \
+            tuple(grad.placements) != tuple(param.placements) and \
+            not any(p.is_partial() for p in grad.placements):
+        with torch.no_grad():
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def refuses_fusing(opt: torch.optim.Optimizer, params: list) -> bool:
     """Must a param group record its optimizer unfused? When a plan placed some of its parameters
     and left others plain (one fused kernel cannot take both), or placed them and DTensor has no
@@ -158,13 +175,14 @@ def mark_plan_collectives(gm: torch.fx.GraphModule, groups: dict[str, str]) -> N
     extension's gathers run over a data-parallel group). Writes PLAN_PLACEMENT on the issue
     nodes and ``gm.meta[PLAN_DIMS]``."""
     group_of = {}
+    by_ranks = {_ranks_of(g): g for g in groups}
     for node in gm.graph.nodes:
         if node.op != "call_function" or getattr(node.target, "namespace", None) != "_c10d_functional":
             continue
         if node.target is torch.ops._c10d_functional.wait_tensor.default:
             group = group_of.get(node.args[0])
         else:
-            group = next((a for a in reversed(node.args) if isinstance(a, str)), None)
+            group = _on_plan_group(node, by_ranks)
         if group in groups:
             group_of[node] = group
             node.meta[meta.MODEL_PARALLEL] = group
@@ -175,6 +193,30 @@ def mark_plan_collectives(gm: torch.fx.GraphModule, groups: dict[str, str]) -> N
                 node.meta[meta.PLAN_PLACEMENT] = (groups[group], change[0].format(op), change[1])
     if groups:
         gm.meta[meta.PLAN_DIMS] = dict(groups)
+
+
+def _ranks_of(group_name: str) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+
+
+def _on_plan_group(node: torch.fx.Node, by_ranks: dict) -> str | None:
+    """The group a functional collective ``node`` runs over, as one of the plan's groups
+    (``by_ranks``: their ranks -> name) when it has the same ranks: DTensor's propagation cache
+    hands out meshes equal to the plan's (same ranks and dim names) made earlier in the process,
+    whose groups are others; the collective is rewritten onto the plan's group."""
+    k = max((i for i, a in enumerate(node.args) if isinstance(a, str)), default=None)
+    if k is None:
+        return None
+    name = node.args[k]
+    if name in by_ranks.values():
+        return name
+    try:
+        mine = by_ranks.get(_ranks_of(name))
+    except (ValueError, RuntimeError):  # a group destroyed since
+        return None
+    if mine is not None:
+        node.args = (*node.args[:k], mine, *node.args[k + 1:])
+    return mine
 
 
 def local_of(t: Any) -> Any:
@@ -188,18 +230,13 @@ def graph_inputs(sa) -> list:
     return [local_of(sa.leaves[i]) for i in sa.input_indices]
 
 
-def refuse_unused_plans(module: torch.nn.Module, names: list[str]) -> None:
-    """Raise a TensorParallelError if a parameter a plan placed (of ``names``: those that got no
-    gradient in the step) is among them: the plan is on a module the step never calls."""
+def planned_names(module: torch.nn.Module, names: list[str]) -> set[str]:
+    """Those of the parameters ``names`` (fqns of ``module``) that a tensor-parallel plan placed.
+    Such a parameter that gets no gradient in the step is left unchanged, as eager DTensor leaves
+    it (no gradient, no update): a plan may place more than the forward uses (seed 000's
+    ``_conv_fn`` registers copies of every parameter on each ancestor module)."""
     params = dict(module.named_parameters(remove_duplicate=False))
-    planned = [n for n in names if plan_of(params[n]) is not None]
-    if planned:
-        modules = sorted({n.rpartition(".")[0] or "<root>" for n in planned})
-        raise TensorParallelError(
-            f"a tensor-parallel plan placed the parameters of {', '.join(modules)}, but the step "
-            f"never uses them (no gradient reaches {', '.join(planned)}): is the plan on a module "
-            f"the step's forward does not call? Parallelize the modules the step calls, or set "
-            f"requires_grad=False on parameters that are frozen.")
+    return {n for n in names if plan_of(params[n]) is not None}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from ..torch_internals import (
     _reparametrize_module,
     backed_size_oblivious,
     compiling_forward,
+    symbolic_floats_unhashable,
     faster_symbolic_recording,
     get_proxy_mode,
     pytree,
@@ -163,6 +164,7 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
     def on_grad(fqn):
         def hook(t):
             mode = get_proxy_mode()
+            tp.grad_as_planned(t)
             node = get_proxy_slot(tp.local_of(subclasses.plain_grad(t)), mode.tracer).proxy.node
             grad_nodes[fqn] = node
 
@@ -476,7 +478,8 @@ def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict,
         # Size-oblivious: shape checks on the batch symbol don't specialize on 0/1, so a local
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, backed_size_oblivious(), \
-                faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution():
+                faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution(), \
+                symbolic_floats_unhashable():
             return record(step, sa.module, codes, seen)(*args)
     except SPMDError:
         raise
@@ -594,7 +597,8 @@ def _finish_graph(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynami
     _annotate(gm, signature, sa, grad_nodes, dynamic_dims)
     missing = [fqn for fqn in signature.params if fqn not in grad_nodes
                and fqn in _trainable(sa)]
-    tp.refuse_unused_plans(sa.module, missing)
+    unused_plans = tp.planned_names(sa.module, missing)  # left unchanged, as in eager DTensor
+    missing = [fqn for fqn in missing if fqn not in unused_plans]
     if missing:
         raise MissingGradientError(
             f"parameter(s) {', '.join(missing)} got no gradient in the step: they are not used "
