@@ -1,4 +1,5 @@
-"""In place: let the eager backend reduce gradient buckets in the buffer it just built, and
+"""In place: let the eager backend reduce gradient buckets in the buffer it just built, build
+that buffer without copies (``produce_into_buckets``: each gradient written into its slice), and
 gather parameters into a buffer it allocates (``gather_into_preallocated``).
 
 The expanded graph is functional: ``div`` makes a new tensor and ``all_reduce`` clones its input
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+from spmd_compiler.torch_internals import get_out_arg_names
 
 from . import meta
 from .collectives import aten, c10d
@@ -105,3 +108,102 @@ def owned_temporary(value, reader: fx.Node) -> bool:
         # an in-place op or a view (e.g. a reduce_scatter bucket's flattening view of its cat)
         # of a tensor that, in turn, nobody else reads
         reader, value = value, value.args[0]
+
+
+def produce_into_buckets(gm: fx.GraphModule, out_variant) -> fx.GraphModule:
+    """Let each gradient bucket's members be produced straight into their slice of it (DDP's
+    ``gradient_as_bucket_view``): for a bucket ``cat([g.view(-1), ...])`` (1-D, dim 0, of a
+    static size) an ``empty`` buffer made before its first member's op, which writes into its
+    slice through its ``out=`` variant (``out_variant(node)``, None: it has none); a member
+    made otherwise (or read by anything else) is copied into its slice where the ``cat`` was.
+    The ``cat`` then is the buffer: bucketing copies nothing for the members made in place.
+
+    Reads: cat nodes, their inputs' producers and users, meta["val"]. Writes: the buffer and
+    slice nodes, the producers' targets and ``out`` arguments, the copies; recompiles.
+    """
+    changed = False
+    for cat in list(gm.graph.nodes):
+        if cat.target is aten.cat.default and _flat_bucket(cat):
+            changed |= _build_in_place(gm.graph, cat, out_variant)
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _flat_bucket(cat: fx.Node) -> bool:
+    """A 1-D ``cat`` along dim 0 of a static size whose result is reduced in place."""
+    val = cat.meta.get("val")
+    return (cat.args[1:] in ((), (0,)) and isinstance(val, torch.Tensor) and val.dim() == 1
+            and isinstance(val.numel(), int) and len(cat.users) == 1
+            and next(iter(cat.users)).target in (aten.div_.Tensor, c10d.all_reduce_.default))
+
+
+_VIEWS = (aten.detach.default, aten.alias.default, aten.view.default, aten.reshape.default,
+          aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.permute.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default)
+
+
+def _contiguous(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _producer(member: fx.Node, out_variant, dtype: torch.dtype):
+    """(the op whose contiguous result ``member`` flattens, through contiguous views of it,
+    its out= variant) when nothing else reads any of them; else None."""
+    if member.target not in (aten.view.default, aten.reshape.default) or len(member.users) != 1:
+        return None
+    made = member.args[0]
+    if not isinstance(made, fx.Node) or not _contiguous(made):
+        return None
+    # views that keep the storage offset: a contiguous one over a contiguous base of as many
+    # elements holds them in the base's order (t(t(mm)) does; t(mm) alone does not)
+    while made.target in _VIEWS and len(made.users) == 1 and isinstance(made.args[0], fx.Node):
+        made = made.args[0]
+    val = made.meta.get("val") if isinstance(made, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or len(made.users) != 1 or made.op != "call_function" \
+            or not val.is_contiguous() or val.dtype != dtype or made.target is aten.empty.memory_format:
+        return None
+    out_op = out_variant(made)
+    return (made, out_op) if out_op is not None else None
+
+
+def _build_in_place(graph: fx.Graph, cat: fx.Node, out_variant) -> bool:
+    """Rewrite one bucket ``cat`` (see ``produce_into_buckets``); False when no member's op can
+    write into it."""
+    val = cat.meta["val"]
+    members = list(cat.args[0])
+    made = [_producer(m, out_variant, val.dtype) for m in members]
+    if not any(made):
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((p for p, _ in filter(None, made)), key=order.__getitem__)
+    with graph.inserting_before(first):
+        buf = graph.call_function(aten.empty.memory_format, ([val.numel()],),
+                                  {"dtype": val.dtype, "device": val.device})
+    buf.meta.update({"val": val.new_empty(val.numel()), meta.REGION: first.meta.get(meta.REGION)})
+    offset = 0
+    for member, producer in zip(members, made):
+        size = member.meta["val"].numel()
+        before = producer[0] if producer else cat
+        with graph.inserting_before(before):
+            part = graph.call_function(aten.slice.Tensor, (buf, 0, offset, offset + size))
+            part.meta["val"] = val.new_empty(size)
+            if producer:
+                node, out_op = producer
+                shaped = graph.call_function(aten.view.default, (part, list(node.meta["val"].shape)))
+                shaped.meta["val"] = node.meta["val"]
+                node.target, node.kwargs = out_op, {**node.kwargs, get_out_arg_names(out_op)[0]: shaped}
+            else:
+                copied = graph.call_function(aten.copy_.default, (part, member))
+                copied.meta["val"] = part.meta["val"]
+        for n in (part, *([shaped] if producer else [])):
+            n.meta[meta.REGION] = before.meta.get(meta.REGION)
+        offset += size
+    cat.replace_all_uses_with(buf)
+    graph.erase_node(cat)
+    for member, producer in zip(members, made):
+        while producer and member is not producer[0] and not member.users:
+            member, _ = member.args[0], graph.erase_node(member)
+    return True

@@ -91,7 +91,9 @@ def _static_bytes(val) -> int | None:
     return val.numel() * val.element_size()
 
 
-def _out_variant(node: fx.Node):
+def out_variant(node: fx.Node):
+    """The op that writes ``node``'s result into a given tensor (its ``out=`` variant with a
+    kernel of its own on the device; ``empty`` itself), or None."""
     if node.target is aten.empty.memory_format:
         return aten.empty.memory_format  # replaced by the workspace view itself
     if node.target in _OUT_VARIANTS:
@@ -135,7 +137,7 @@ def plan_static_memory(gm: fx.GraphModule, *, min_bytes: int = 2**20) -> fx.Grap
         nbytes = _static_bytes(n.meta.get("val"))
         if nbytes is None or nbytes < min_bytes:
             continue
-        out_op = _out_variant(n)
+        out_op = out_variant(n)
         if out_op is not None:
             planned.append((n, nbytes, out_op))
     if not planned:

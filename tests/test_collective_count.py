@@ -2,8 +2,9 @@
 
 Both sides are counted the same way: torch.profiler records every collective gloo runs
 (``gloo:*`` events) over a few steps after the warm-up. The summary's "collectives issued per
-call" must equal what was counted. Every benchmark model (benchmarks/models.py) is counted too:
-its data collectives (``check_ranks=False``: no per-call agreement) are at most DDP's.
+call" must equal what was counted. Every benchmark model (benchmarks/models.py) is counted too,
+with the per-call agreement on (it rides in the step's first collective, none of its own):
+replicate's collectives are at most DDP's, fully_shard's at most FSDP2's (per block, then root).
 """
 
 from __future__ import annotations
@@ -77,9 +78,7 @@ def _count_job(case: str, check_ranks: bool) -> dict:
     }
 
 
-def _benchmark_count_job(name: str) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def _benchmark_count_job(name: str, style: str = "replicate") -> dict:
     from benchmarks.models import MODELS, make_train_step
     from spmd_compiler import DataParallel, spmd_compile
     from spmd_compiler.api import entry_summary
@@ -89,20 +88,37 @@ def _benchmark_count_job(name: str) -> dict:
     gen = torch.Generator().manual_seed(dist.get_rank())
     batches = [spec.make_batch(gen, 2) for _ in range(3 + STEPS)]
     torch.manual_seed(0)
-    ddp = DDP(spec.build())
-    ddp_opt = spec.optim.build(ddp.parameters())
+    ref = _reference(spec, style)
+    ref_opt = spec.optim.build(ref.parameters())
     torch.manual_seed(0)
     model = spec.build()
     opt = spec.optim.build(model.parameters())
-    step = spmd_compile(DataParallel("replicate"), check_ranks=False)(fn)
+    step = spmd_compile(DataParallel(style), check_ranks=True)(fn)
     for b in batches[:3]:
-        fn(ddp, ddp_opt, b)
+        fn(ref, ref_opt, b)
         step(model, opt, b)
     return {
-        "ddp": _gloo_collectives(lambda b: fn(ddp, ddp_opt, b), batches[3:]),
+        "reference": _gloo_collectives(lambda b: fn(ref, ref_opt, b), batches[3:]),
         "spmd": _gloo_collectives(lambda b: step(model, opt, b), batches[3:]),
         "summary": entry_summary(step.last_compiled).issued_per_call,
+        "carrier": step._carrier,
     }
+
+
+def _reference(spec, style: str) -> nn.Module:
+    """DDP of the model, or FSDP2 (each of the spec's blocks, then the root)."""
+    if style == "replicate":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(spec.build())
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = spec.build()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in [m for m in model.modules() if spec.is_block(m) and m is not model]:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _benchmark_models() -> list[str]:
@@ -111,14 +127,29 @@ def _benchmark_models() -> list[str]:
     return [name for name, spec in MODELS.items() if spec.speed]
 
 
-@pytest.mark.parametrize("name", _benchmark_models())
-def test_benchmark_models_issue_no_more_data_collectives_than_ddp(pool2, name):
+# fully_shard on gloo gathers each bucket as one broadcast per rank (passes/gloo_collectives.py):
+# on the toy models' eight gathered buckets that is 31 collectives per step where FSDP2 issues 29
+# (measured at world size 2), the agreement riding in the first gather; fewer, larger gather
+# buckets would close it
+_ABOVE_FSDP2 = {("toy", "fully_shard"), ("toy_sgd", "fully_shard")}
+
+
+def _cases() -> list:
+    return [pytest.param(name, style, marks=pytest.mark.xfail(
+                strict=True, reason="gathers as one broadcast per rank: 31 vs FSDP2's 29"))
+            if (name, style) in _ABOVE_FSDP2 else (name, style)
+            for name in _benchmark_models() for style in ("replicate", "fully_shard")]
+
+
+@pytest.mark.parametrize("name, style", _cases())
+def test_benchmark_models_issue_no_more_collectives_than_ddp_and_fsdp2(pool2, name, style):
     if name == "hf_llama":
         pytest.importorskip("transformers")
     # the toy model's 18 M parameters under DDP and two compiles take minutes on a loaded machine
-    counts = pool2.run(_benchmark_count_job, name, timeout=600)[0]
+    counts = pool2.run(_benchmark_count_job, name, style, timeout=900)[0]
     assert counts["spmd"] == counts["summary"], counts
-    assert counts["spmd"] <= counts["ddp"], counts
+    assert counts["carrier"] is not None, counts  # the agreement rides in a data collective
+    assert counts["spmd"] <= counts["reference"], counts
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -126,7 +157,6 @@ def test_replicate_issues_no_more_collectives_than_ddp(pool2, case):
     for check_ranks in (False, True):
         counts = pool2.run(_count_job, case, check_ranks)[0]
         assert counts["spmd"] == counts["summary"], (check_ranks, counts)
-        # the per-call agreement rides in the first gradient all_reduce (SimpleMLP); with
-        # buffers broadcast first it keeps its own all_reduce, and DDP's broadcast per dtype
-        # leaves room for it
+        # the per-call agreement rides in the first gradient all_reduce (SimpleMLP) or beside
+        # the buffers' bytes (ConvBN)
         assert counts["spmd"] <= counts["ddp"], (check_ranks, counts)

@@ -14,9 +14,10 @@ from spmd_compiler.passes.collectives import COLLECTIVE_OPS, c10d
 from spmd_compiler.passes.expand import expand_fully_shard
 from spmd_compiler.passes.fully_shard import shard_rows
 from spmd_compiler.passes.identity_views import skip_identity_views
-from spmd_compiler.passes.inplace import gather_into_preallocated, reduce_in_place
+from spmd_compiler.passes.inplace import gather_into_preallocated, produce_into_buckets, reduce_in_place
+from spmd_compiler.passes.memory_plan import out_variant
 from spmd_compiler.passes.overlap import sink_waits
-from spmd_compiler.passes.rank_check import place_rank_check
+from spmd_compiler.passes.rank_check import finish_rank_check, place_rank_check
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
 from spmd_compiler.passes.expand import expand_replicate
 from spmd_compiler.trace.record import trace_step
@@ -267,18 +268,19 @@ class _Carrier:
         return torch.zeros(18, dtype=dtype)
 
     @staticmethod
-    def check(agreement, reduced):
+    def check(agreement, reduced, rows):
         pass
 
 
 @pytest.mark.parametrize("model", ["mlp", "batchnorm"])
 def test_rank_check_rides_in_the_first_gradient_bucket(model):
     """The header joins the bucket's cat; the check follows the bucket's wait, before any other
-    collective or state update. BatchNorm's buffers are broadcast first: no carrier there."""
+    collective or state update. BatchNorm's buffers are broadcast first: outside a process
+    group (no rank to tell whose bytes are sent) no carrier there."""
     tr = _traced(BatchNormMLP() if model == "batchnorm" else None, momentum=0.9)
-    gm = reduce_in_place(bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=WORLD)))
-    sizes = [int(n.meta["val"].numel()) for n in _calls(gm, c10d.all_reduce_.default)]
-    gm = place_rank_check(gm, _rank_check, _Carrier)
+    gm = bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=WORLD))
+    sizes = [int(n.meta["val"].numel()) for n in _calls(gm, c10d.all_reduce.default)]
+    gm = finish_rank_check(reduce_in_place(place_rank_check(gm, _rank_check, _Carrier)))
     if model == "batchnorm":
         assert _calls(gm, _rank_check) and not _calls(gm, _Carrier.check)
         assert "agreement carrier" not in gm.meta
@@ -291,11 +293,39 @@ def test_rank_check_rides_in_the_first_gradient_bucket(model):
     (bucket,) = _calls(gm, c10d.all_reduce_.default)
     assert bucket.args[0].args[0] is cat and header.args[1] == WORLD  # divided in place by it
     assert check.args[1].target is c10d.wait_tensor.default and check.prev is check.args[1]
-    assert gm.meta["agreement carrier"] == ((sizes[0] + 18, "torch.float32"),)
+    assert gm.meta["agreement carrier"] == (("all_reduce", sizes[0] + 18, "torch.float32", -1, True),)
     nodes = list(gm.graph.nodes)
     before = nodes[:nodes.index(check)]
     assert not [n for n in before if n.meta.get(meta.REGION) == meta.Region.OPTIMIZER]
     gm.graph.lint()
+
+
+@pytest.mark.parametrize("model", ["mlp", "batchnorm"])
+def test_gradients_are_produced_into_their_bucket(model):
+    """After the eager lowering's in-place reduction, no bucket is a ``cat``: the bucket is an
+    ``empty`` buffer made before its first gradient, and every Linear gradient's op (``mm``,
+    ``sum``) writes into its slice of it through ``out=``, at the offset the cat had given it;
+    BatchNorm's (one multi-output op, no out= variant) are copied into theirs."""
+    tr = _traced(BatchNormMLP() if model == "batchnorm" else None, momentum=0.9)
+    gm = reduce_in_place(bucket_collectives(expand_replicate(tr.gm, group_name="g", world_size=WORLD)))
+    buckets = [n.args[0].args[0] for n in _calls(gm, c10d.all_reduce_.default)
+               if n.args[0].target is torch.ops.aten.div_.Tensor]
+    layouts = [[int(m.meta["val"].numel()) for m in cat.args[0]] for cat in buckets]
+    gm = produce_into_buckets(gm, out_variant)
+    gm.graph.lint()
+    assert not [c for c in buckets if c in gm.graph.nodes]  # every gradient cat is gone
+    reduced = [n.args[0].args[0] for n in _calls(gm, c10d.all_reduce_.default)
+               if n.args[0].target is torch.ops.aten.div_.Tensor]
+    for buf, sizes in zip(reduced, layouts):
+        assert buf.target is torch.ops.aten.empty.memory_format
+        slices = [u for u in buf.users if u.target is torch.ops.aten.slice.Tensor]
+        assert sorted((s.args[2], s.args[3]) for s in slices) == \
+            [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        writers = [w for s in slices for v in s.users for w in v.users if "out" in w.kwargs]
+        copies = [u for s in slices for u in s.users if u.target is torch.ops.aten.copy_.default]
+        assert len(writers) == 4 and len(copies) == len(sizes) - 4, (writers, copies)
+        nodes = list(gm.graph.nodes)
+        assert all(nodes.index(buf) < nodes.index(w) for w in writers)
 
 
 def test_bucketing_never_merges_a_collective_with_one_it_depends_on():

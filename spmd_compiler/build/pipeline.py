@@ -37,11 +37,16 @@ from spmd_compiler.passes.expand import MeshDim, expand_data_parallel
 from spmd_compiler.passes.fully_shard import ShardingError
 from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
 from spmd_compiler.passes.grad_outputs import output_gradients
-from spmd_compiler.passes.inplace import gather_into_preallocated, owned_temporary, reduce_in_place
-from spmd_compiler.passes.memory_plan import plan_static_memory
+from spmd_compiler.passes.inplace import (
+    gather_into_preallocated,
+    owned_temporary,
+    produce_into_buckets,
+    reduce_in_place,
+)
+from spmd_compiler.passes.memory_plan import out_variant, plan_static_memory
 from spmd_compiler.passes.overlap import sink_waits
 from spmd_compiler.passes.identity_views import skip_identity_views
-from spmd_compiler.passes.rank_check import place_rank_check
+from spmd_compiler.passes.rank_check import finish_rank_check, place_rank_check
 from spmd_compiler.passes.recompute import recompute_activations
 from spmd_compiler.passes.schedule import schedule_for_memory
 from spmd_compiler.passes.split_optimizer import split_optimizer_by_bucket
@@ -357,8 +362,8 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: tuple | None = Non
 
     ``"eager"`` runs the generated Python of a copy of ``gm`` whose bucket divisions and
     all_reduces work in place (passes/inplace.py) and that checks the per-call agreement
-    (``rank_check``: the check and the carrier, passes/rank_check.py) in its first gradient
-    all_reduce, or else just before its first collective or state update, so the agreement
+    (``rank_check``: the check and the carrier, passes/rank_check.py) in its first collective,
+    or else just before its first collective or state update, so the agreement
     costs no collective of its own, or its message travels while the forward computes. ``"inductor"`` hands the whole step graph to
     ``torch.compile`` (Inductor functionalizes it, keeps the functional collectives, reuses
     buffers itself and compiles on the first run), all but the fused optimizer kernels, which
@@ -374,12 +379,15 @@ def lower(gm: torch.fx.GraphModule, backend: str, rank_check: tuple | None = Non
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     runnable = _make_graph_module(gm, graph)
-    for lowering in (reduce_in_place, gather_into_preallocated, broadcast_gathers,
+    if rank_check:  # on the functional copy: its header rides in a collective before lowering
+        runnable = place_rank_check(runnable, *rank_check)
+    for lowering in (reduce_in_place, functools.partial(produce_into_buckets, out_variant=out_variant),
+                     gather_into_preallocated, broadcast_gathers,
                      functools.partial(all_reduce_scatters, owned=owned_temporary),
                      plan_static_memory):
         runnable = lowering(runnable)
     runnable = skip_identity_views(runnable)
-    return place_rank_check(runnable, *rank_check) if rank_check else runnable
+    return finish_rank_check(runnable) if rank_check else runnable
 
 
 def fused_kernels_outside_compile(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -12,10 +12,13 @@ dynamic sequence length); the collectives do not depend on them. Two checks:
   all ranks run the newest program that fits every rank's inputs, or, if none does, all of them
   compile a new one (one rank's new sequence length makes every rank recompile, never only one).
   In the steady state this costs no collective of its own: each eager program's check rides in
-  its first gradient bucket (``passes/rank_check.carry``; the bucket depends on the parameters
-  only, so every program of the step issues it with the same size). The running program appends
-  a header to the bucket's ``cat``: (running a program, failed, the program's index in binary),
-  pre-multiplied by the bucket's divisor so that the summed header counts ranks exactly, and
+  its first collective (``passes/rank_check.carry``): the first gradient bucket, the first
+  gathered parameter bucket (fully_shard), or the buffers' bytes (BatchNorm), whose broadcast
+  from rank 0 becomes an all_reduce to which the other ranks add zeros; these depend on the
+  parameters and buffers only, so every program of the step issues them with the same size.
+  The running program appends a header to the bucket's ``cat``: (running a program, failed,
+  the program's index in binary), pre-multiplied by the bucket's divisor so that the summed
+  header counts ranks exactly (a gather brings every rank's own header, summed on arrival), and
   reads it back right after the bucket's wait, before any other collective or state update. All
   ranks ran the same program when every rank is running, none failed and every index bit is
   set on all ranks or none; otherwise it stops there (``Redispatch``, nothing changed) and every
@@ -24,10 +27,9 @@ dynamic sequence length); the collectives do not depend on them. Two checks:
   (``carry_alone``), so nobody waits in a collective the others never issue. Every rank knows
   the carrier of every program (it is part of ``program_check.describe_graph``, agreed on at
   compile time),
-  so every rank takes the same path. Where a program cannot carry it (a collective other than a
-  static sum all_reduce over the step's group, or a state update, before its first bucket:
-  BatchNorm buffers broadcast first, fully_shard's gathers, a multi-dim mesh) or the step's
-  programs carry it in different all_reduces, the exchange is a dedicated small all_reduce
+  so every rank takes the same path. Where a program cannot carry it (its first collective is
+  over a sub-group of the step's ranks, as on a multi-dim mesh, or of a dynamic size, or a
+  state update comes first) or the step's programs carry it in different collectives, the exchange is a dedicated small all_reduce
   (``start_agreement``) that the program awaits (``await_agreement``) before its first
   collective or state update, running while it travels;
 - per compile, ``program_check.agree_on_program`` (built on ``exchange_objects``, here).
@@ -59,7 +61,7 @@ class Redispatch(Exception):
         self.choice, self.resolved = choice, resolved
 
 
-# describe_graph: (elements, dtype) of each all_reduce up to the one the per-call check rides in
+# describe_graph: the collectives up to the one the per-call check rides in (carry_alone)
 CARRIER = "per-call agreement carrier"
 CACHED, COMPILE, COMPILE_FAILED = 0, 1, 2  # what a rank is about to do with this call
 _BITS = 62  # programs per int64 word of the fits-mask
@@ -172,7 +174,7 @@ def await_agreement(holder: list | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The agreement carried in the step's first gradient all_reduce
+# The agreement carried in the step's first collective
 
 HEADER_BITS = 16  # bits of the running program's index in the header
 _PRESENT, _FAILED, _BITS0 = 0, 1, 2
@@ -180,9 +182,9 @@ HEADER = 2 + HEADER_BITS  # elements
 
 
 class CarriedAgreement:
-    """A per-call agreement that rides in the running program's carrier all_reduce: nothing is
+    """A per-call agreement that rides in the running program's carrier collective: nothing is
     issued for it before the program runs (``running``: the program this rank runs; ``carrier``:
-    (elements, dtype) of the all_reduces up to it, over ``group``)."""
+    the collectives up to and with it, over ``group``: ``carry_alone``)."""
 
     def __init__(self, running: int, carrier: tuple[tuple[int, str], ...], group):
         self.running, self.carrier, self.group = running, carrier, group
@@ -226,17 +228,23 @@ def _agreed(running: int, world: int) -> list[float]:
     return [float(world * x) for x in header_row(running)]
 
 
-def agreement_check(holder: list | None, reduced: torch.Tensor) -> None:
+def agreement_check(holder: list | None, result: torch.Tensor, rows: int = 1) -> None:
     """Graph node, right after the carrier's wait, before any other collective or state
-    update: read the summed headers; raise ``Redispatch`` (unresolved: the ranks then exchange
-    which programs fit, ``agree_on_call``) unless every rank runs this program, or
-    RankMismatchError if a rank failed."""
+    update: read the headers (the last ``HEADER`` elements of each of the ``rows`` rows of
+    ``result``: one summed header, or every rank's own) and raise ``Redispatch`` (unresolved:
+    the ranks then exchange which programs fit, ``agree_on_call``) unless every rank runs this
+    program, or RankMismatchError if a rank failed."""
     pending = holder[0] if holder is not None else None
     if isinstance(pending, CarriedAgreement):
         holder[0] = None
-        counts = reduced.narrow(0, reduced.numel() - HEADER, HEADER).tolist()
+        counts = _counts(result, rows)
         if counts != _agreed(pending.running, pending.world):
             decide_carried([round(x) for x in counts], pending.world)
+
+
+def _counts(result: torch.Tensor, rows: int) -> list[float]:
+    """The headers in ``result`` summed over its ``rows`` rows (exact: small integers)."""
+    return result.view(rows, -1)[:, -HEADER:].double().sum(0).tolist()
 
 
 def decide_carried(counts: list[int], world: int) -> None:
@@ -252,8 +260,8 @@ def decide_carried(counts: list[int], world: int) -> None:
 
 
 class RankCheck:
-    """What ``passes/rank_check.place_rank_check`` needs to let the agreement ride in an
-    all_reduce over ``group`` (the name of the process group every rank of the step is in)."""
+    """What ``passes/rank_check.place_rank_check`` needs to let the agreement ride in a
+    collective over ``group`` (the name of the process group every rank of the step is in)."""
 
     length = HEADER
 
@@ -264,17 +272,33 @@ class RankCheck:
     check = staticmethod(agreement_check)
 
 
-def carry_alone(carrier: tuple[tuple[int, str], ...], group, failed: bool = False) -> None:
+def carry_alone(carrier: tuple[tuple, ...], group, failed: bool = False) -> None:
     """On a rank that runs no program this call (it must compile, or it failed), join the
-    all_reduces the other ranks' programs issue up to the one their check rides in
-    (``carrier``: (elements, dtype) of each, the carrier last): zeros, and in the carrier this
-    rank's header (not running; ``failed``). Raises RankMismatchError if a rank failed, and
+    collectives the other ranks' programs issue up to and with the one their check rides in
+    (``carrier``: (kind, elements, dtype, source rank, carries the header) of each, as
+    ``passes/rank_check.describe_carrier`` names them): zeros, and this rank's header (not
+    running; ``failed``) where its header goes. Raises RankMismatchError if a rank failed, and
     returns otherwise (the ranks then agree with ``agree_on_call``)."""
-    tables = [torch.zeros(n, dtype=getattr(torch, d.removeprefix("torch."))) for n, d in carrier]
-    tables[-1][-HEADER:] = torch.tensor(header_row(None, failed), dtype=tables[-1].dtype)
-    for work in [dist.all_reduce(t, group=group, async_op=True) for t in tables]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = header_row(None, failed)
+    works, headers = [], []
+    for kind, n, dtype, source, carries in carrier:
+        t = torch.zeros(n, dtype=getattr(torch, dtype.removeprefix("torch.")))
+        if carries and (kind != "broadcast" or source == rank):
+            t[-HEADER:] = torch.tensor(mine, dtype=t.dtype)
+        if kind == "all_reduce":
+            works.append(dist.all_reduce(t, group=group, async_op=True))
+        elif kind == "broadcast":
+            works.append(dist.broadcast(t, group=group, group_src=source, async_op=True))
+        else:
+            out = torch.zeros(n * world, dtype=t.dtype)
+            works.append(dist.all_gather_into_tensor(out, t, group=group, async_op=True))
+            t = out
+        if carries:
+            headers.append((t, world if kind == "all_gather" else 1))
+    for work in works:
         work.wait()
-    counts = [round(x) for x in tables[-1][-HEADER:].tolist()]
+    counts = [round(sum(x)) for x in zip(*(_counts(t, rows) for t, rows in headers))]
     if counts[_FAILED] and not failed:
         decide_carried(counts, 0)
 

@@ -41,7 +41,7 @@ class CompiledGraph:
     checks_ranks_inside: bool = False  # the graph completes the per-call agreement itself
     summary: Any = None  # visualize.Summary of a program loaded from the disk cache
     values: Any = None  # guards.ValueGuards: the Python values the step read, bound to live objects
-    carrier: tuple | None = None  # (elements, dtype) of each all_reduce up to its rank check
+    carrier: tuple | None = None  # the collectives up to and with its rank check (carry_alone)
 
     def __post_init__(self):
         self._guards = compile(self.guard_code, "<shape guards>", "eval") if self.guard_code else None
