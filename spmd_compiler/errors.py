@@ -52,3 +52,8 @@ class TensorParallelError(SPMDError):
 
 class RankMismatchError(SPMDError):
     """Ranks disagree about the program they run (or one of them failed to compile it)."""
+
+
+class SideEffectError(SPMDError):
+    """The step changes Python state while it is recorded; the compiled step would not repeat
+    the change on later calls."""

@@ -15,7 +15,7 @@ from torch import nn
 
 import spmd_compiler.trace.block_reuse as block_reuse
 from spmd_compiler.passes import meta
-from spmd_compiler.trace.side_effects import SideEffectError
+from spmd_compiler.errors import SideEffectError
 from spmd_compiler.trace.record import trace_step
 from tests.steps import self_labelled, step_with
 from tests.zoo import CASES as ZOO

@@ -105,7 +105,7 @@ def scheduler_job(how: str, style: str = "replicate") -> dict:
     scheduler stepped at the end of its eager step. Passed and only read, it is no cause for a
     rank disagreement. Stepped before the step's tensor work, it raises and is left alone."""
     from spmd_compiler import DataParallel, spmd_compile
-    from spmd_compiler.trace.side_effects import SideEffectError
+    from spmd_compiler.errors import SideEffectError
 
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     model, opt, ref, ref_opt = _models(sgd)
@@ -179,7 +179,7 @@ def assignments_job() -> dict:
     """An attribute and a global counted up at the end of the step count on every call; a
     hyperparameter set at its start raises and is left alone."""
     from spmd_compiler import DataParallel, spmd_compile
-    from spmd_compiler.trace.side_effects import SideEffectError
+    from spmd_compiler.errors import SideEffectError
 
     def counts_calls(model, opt, batch):
         loss = _plain_step(model, opt, batch)

@@ -265,3 +265,20 @@ def test_architecture_lists_the_rooms_as_the_tree_has_them():
     packages = {p.parent.name for p in (ROOT / "spmd_compiler").glob("*/__init__.py")}
     assert top <= {n for ns in names for n in ns}
     assert {f"{p}/" for p in packages} <= {n for ns in names for n in ns}
+
+
+def test_public_names_stay_where_users_import_them():
+    """The names users import keep their places across the rooms' moves."""
+    import importlib
+
+    public = {
+        "spmd_compiler": ("spmd_compile", "compile", "explain", "unsharded", "DataParallel", "SPMDError"),
+        "spmd_compiler.api": ("compile", "spmd_compile", "explain", "summary_text"),
+        "spmd_compiler.parallel_mode": ("DataParallel",),
+        "spmd_compiler.memory": ("measure_step_memory", "live_state_bytes", "rss_peak_bytes", "StepMemory"),
+        "spmd_compiler.errors": ("SPMDError", "RankMismatchError", "SideEffectError", "MixedPrecisionError",
+                                 "TraceError", "BatchDimError", "StepSignatureError"),
+    }
+    missing = [f"{m}.{n}" for m, names in public.items() for n in names
+               if not hasattr(importlib.import_module(m), n)]
+    assert not missing, missing

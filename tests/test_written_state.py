@@ -291,7 +291,7 @@ def forward_counter_refused_job() -> dict:
     makes it): the first call raises, naming the line, and leaves the counter and the model as
     they were."""
     from spmd_compiler import DataParallel, spmd_compile
-    from spmd_compiler.trace.side_effects import SideEffectError
+    from spmd_compiler.errors import SideEffectError
 
     model, opt, *_ = _pair(CappedCountingNet, _adam)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

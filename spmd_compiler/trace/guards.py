@@ -48,7 +48,6 @@ import logging
 import math
 import os
 import sys
-import sysconfig
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable

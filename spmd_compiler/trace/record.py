@@ -56,13 +56,14 @@ from ..torch_internals import (
 from ..errors import (
     BatchDimError,
     MissingGradientError,
+    SideEffectError,
     SPMDError,
     StepSignatureError,
     TraceError,
     UnsupportedError,
 )
 from .trace_values import ReadConstantValues
-from .side_effects import SideEffectError, step_constants, warn_value_reads, watch as watch_side_effects
+from .side_effects import step_constants, warn_value_reads, watch as watch_side_effects
 from . import guards, replay
 from ..features.mixed_precision import cast_forward
 from ..features import subclass_params as subclasses

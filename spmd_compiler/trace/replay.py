@@ -27,7 +27,8 @@ from typing import Callable
 
 import torch
 
-from .side_effects import Change, SideEffectError, message, step_constants, unwrapped, watch
+from ..errors import SideEffectError
+from .side_effects import Change, message, step_constants, unwrapped, watch
 from ..runtime.replayed import run_after
 
 _FRAME = re.compile(r'File "(.*)", line (\d+), in (\w+)')

@@ -46,17 +46,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import SPMDError
+from ..errors import SideEffectError
 
 
 _SCALARS = (int, float, complex, str, bytes, bool, type(None))
 _SKIPPED_ATTRS = {"training", "_parameters", "_buffers", "_modules", "params"}
 _MAX_OBJECTS = 256  # plain objects watched at most (the step's reach, two levels)
-
-
-class SideEffectError(SPMDError):
-    """The step changes Python state while it is recorded; the compiled step would not repeat
-    the change on later calls."""
 
 
 class ValueReadWarning(UserWarning):
