@@ -65,14 +65,15 @@ def made_before_recording(optimizers, accumulating: bool, sharded: bool = False)
 
 def _init_one(opt, group: dict, p: torch.Tensor, sharded: bool) -> None:
     """``p``'s state, made by the optimizer's own initialisation for a group of ``p`` alone (one
-    parameter's worth of temporaries at a time); with ``sharded``, its full-size tensors
-    replaced by expanded zeros."""
+    parameter's worth of temporaries at a time); with ``sharded``, its full-size plain tensors
+    replaced by expanded zeros (a tensor-subclass state, whose inner tensors the program takes
+    one by one, is kept as the optimizer made it)."""
     with torch.no_grad(), _grads_present([p]):
         torch_internals.init_adam_state(opt, {**group, "params": [p]})
     if sharded:
         state = opt.state[p]
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() and v.shape == p.shape:
+            if type(v) is torch.Tensor and v.dim() and v.shape == p.shape:
                 state[k] = torch.zeros((), dtype=v.dtype, device=v.device).expand(v.shape)
 
 
