@@ -9,8 +9,11 @@ they were.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import sympy
+
 import torch
 import torch.nn as nn
 
@@ -282,12 +285,15 @@ def test_fuse_optimizer_records_the_fused_kernel(opt_cls, kwargs, target):
     assert before == [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups]
 
 
-def test_a_float_learning_rate_baked_in_is_a_guard():
+@pytest.mark.parametrize("lr", [0.1, 1 / 3])
+def test_a_float_learning_rate_baked_in_is_a_guard(lr):
     """An op that takes the learning rate as a plain float bakes its value into the graph; the
-    trace reports it so the runtime recompiles for another value instead of using a stale one."""
+    trace reports it (a per-call condition on the lifted number) so the runtime recompiles for
+    another value instead of using a stale one, and keeps the program for the same value (1/3:
+    the condition holds the exact double, not sympy's 15 digits)."""
     torch.manual_seed(0)
     model = SimpleMLP()
-    model, opt = warmed_up(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, opt = warmed_up(model, torch.optim.SGD(model.parameters(), lr=lr))
 
     def step(model, optim, batch):
         optim.zero_grad()
@@ -302,7 +308,13 @@ def test_a_float_learning_rate_baked_in_is_a_guard():
         return loss
 
     tr = trace_step(step, (model, opt, batch()))
-    assert tr.specialized_hparams == [(0, 0.1)]
+
+    def fits(value):
+        return (all(value == v for i, v in tr.specialized_hparams if i == 0) and
+                all(eval(c, {"math": math}, {"h0": value}) for c in tr.hparam_conditions))
+
+    assert tr.specialized_hparams or tr.hparam_conditions
+    assert fits(lr) and not fits(lr * 1.01)
 
 
 def test_foreach_adam_reads_step_from_state():

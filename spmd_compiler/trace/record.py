@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import sympy
+from sympy.printing.pycode import PythonCodePrinter
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -720,14 +721,21 @@ def _hparam_conditions(shape_env, numbers: dict) -> tuple[str, ...]:
     """Take out of ``shape_env`` the guards on the optimizers' lifted numbers alone (SGD's
     ``if momentum != 0``; ``numbers``: index -> symbolic number) and return them as Python
     conditions over ``h<index>``, checked on every call: a scheduler's next momentum fits the
-    program as long as the branch it took holds."""
-    from sympy.printing.pycode import pycode
-
+    program as long as the branch it took holds. Floats are written as the doubles they are
+    (``repr``), so a value equal to the recorded one compares equal."""
     names = {h.node._expr: sympy.Symbol(f"h{i}") for i, h in numbers.items()
              if isinstance(h, (torch.SymFloat, torch.SymInt))}
     mine = [g for g in shape_env.guards if g.expr.free_symbols and g.expr.free_symbols <= names.keys()]
     shape_env.guards[:] = [g for g in shape_env.guards if g not in mine]
-    return tuple(dict.fromkeys(pycode(g.expr.xreplace(names)) for g in mine))
+    return tuple(dict.fromkeys(_ExactFloats().doprint(g.expr.xreplace(names)) for g in mine))
+
+
+class _ExactFloats(PythonCodePrinter):
+    """Python source of a sympy expression whose floats round-trip exactly (sympy prints a
+    double's 15 significant digits: 1/3 would not compare equal to itself)."""
+
+    def _print_Float(self, expr) -> str:
+        return repr(float(expr))
 
 
 def _specialized_hparams(shape_env, hparams, values) -> list[tuple[int, float]]:
