@@ -63,8 +63,8 @@ def commands(block: Block) -> list[str]:
 SHELL_NOT_RUN = {
     ("README.md", 'pip install -e ".[test]" && python -m spmd_compiler demo'):
         "installs the package (network, a minute); the demo as written runs in tests/test_cli.py",
-    ("README.md", "python -m pytest -q tests/test_tracing.py"):
-        "runs test files of this suite (inside it they already run)",
+    ("README.md", "python -m pytest"):
+        "runs this suite (inside it, it already runs)",
     ("README.md", "pip install torch==2.13.0 --index-url"): "downloads torch (network)",
     ("README.md", "torchrun --nproc-per-node 2 examples/train.py --mode fully_shard"):
         "300 steps (about a minute); tests/test_examples.py runs the script under torchrun",
