@@ -20,8 +20,8 @@ nothing is downloaded).
 ``--baseline-src DIR`` also times a checkout of an earlier version (a source tree whose
 ``spmd_compiler/passes`` resolves, e.g. a symlink to ``../passes``) on the workloads it can run.
 Writes the JSON results to a scratch file; ``--write-docs`` writes the checkout's
-benchmarks/compile_time.json and docs/compile_time.md instead. Time it alone (``flock
-/work/bench.lock``): the page records the load average.
+benchmarks/compile_time.json and docs/compile_time.md instead. Time it alone on the machine
+(nothing else running): the page records the load average.
 """
 
 from __future__ import annotations
