@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import operator
 import types
 import weakref
 from typing import Any, Callable
