@@ -170,7 +170,11 @@ def hybrid_job(case: str) -> dict:
         chk.check(p.grad is not None and tuple(p.grad.placements) == tuple(q.grad.placements),
                   f"eager backward: {name}.grad {getattr(p.grad, 'placements', None)}")
         chk.close("param", f"eager backward: {name}.grad", p.grad.full_tensor(), q.grad.full_tensor())
-    gm = step.last_compiled.traced.gm
+    received = [any(s.startswith("received from rank") for s in e.stage_seconds)
+                for e in step._programs]
+    gm = step.last_compiled.traced.gm  # None on a rank that received the program
+    if gm is None:
+        return dict(problems=chk.problems, max_err=chk.max_err, per_dim=None, received=received)
     per_dim: dict[str, int] = {}
     for n in gm.graph.nodes:
         if meta.COLLECTIVE in n.meta:
@@ -182,7 +186,7 @@ def hybrid_job(case: str) -> dict:
                 source = n.args[0].args[0] if n.args[0].target is torch.ops._c10d_functional.wait_tensor.default else None
                 chk.check(getattr(source, "target", None) is torch.ops._c10d_functional.reduce_scatter_tensor.default,
                           f"the replicate dim's all_reduce reads {n.args[0].format_node()}, not a reduce_scatter's wait")
-    return dict(problems=chk.problems, max_err=chk.max_err, per_dim=per_dim)
+    return dict(problems=chk.problems, max_err=chk.max_err, per_dim=per_dim, received=received)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -191,8 +195,12 @@ def test_hybrid_shard_matches_hsdp_and_ddp(pool4, case, record_property):
     for rank, rep in enumerate(reps):
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    # rank 0 builds every program; ranks 1-3 (other coordinates on both dims) receive them
+    assert not any(reps[0]["received"]), reps[0]["received"]
+    for rank, rep in enumerate(reps[1:], 1):
+        assert rep["received"] and all(rep["received"]), f"rank {rank}: {rep['received']}"
+        assert rep["per_dim"] is None, f"rank {rank} built its own program"
     per_dim = reps[0]["per_dim"]
-    assert all(r["per_dim"] == per_dim for r in reps), [r["per_dim"] for r in reps]
     # gathers and reduce-scatters only on the shard dim; the replicate dim all-reduces shards
     assert per_dim.get("all_gather@shard", 0) >= 1 and per_dim.get("reduce_scatter@shard", 0) >= 1
     assert per_dim.get("all_reduce@replicate", 0) >= 1
