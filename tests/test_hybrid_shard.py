@@ -207,6 +207,40 @@ def test_hybrid_shard_matches_hsdp_and_ddp(pool4, case, record_property):
     assert not {k for k in per_dim if k.endswith("@replicate")} - {"all_reduce@replicate"}, per_dim
 
 
+def cached_hybrid_job(cache_dir: str) -> dict:
+    """Three runs of 3 Adam steps with the program cache: on one 2 x 2 mesh twice (rank 0
+    builds, the others receive and store; then every rank loads), then on the transposed mesh
+    (other groups on both dims: the stored programs name the first mesh's, so it compiles)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    def run(mesh):
+        torch.manual_seed(0)
+        model = OddMLP()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        step = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh, cache_dir=cache_dir)(adam_step)
+        for i in range(3):
+            step(model, opt, _batch(300 + i))
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+        return params, (step.compile_count, step.cache_hits)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    first, first_counts = run(mesh)
+    dist.barrier()  # every rank has written its file
+    second, second_counts = run(mesh)
+    _, other_counts = run(DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("replicate", "shard")))
+    return dict(first=first_counts, second=second_counts, other=other_counts,
+                identical=all(torch.equal(first[n], second[n]) for n in first))
+
+
+def test_hybrid_programs_received_stored_and_loaded(pool4, tmp_path):
+    for rank, rep in enumerate(pool4.run(cached_hybrid_job, str(tmp_path), timeout=300)):
+        assert rep["first"] == (1, 0) and rep["second"] == (1, 1), f"rank {rank}: {rep}"
+        assert rep["other"] == (1, 0), f"rank {rank}: a program of another mesh's groups loaded"
+        assert rep["identical"], f"rank {rank}: {rep}"
+
+
 # --------------------------------------------------------------------------------------------------
 # torch.distributed.checkpoint: saved by hybrid_shard at 4 ranks, loaded by fully_shard at 2
 # --------------------------------------------------------------------------------------------------
