@@ -207,6 +207,39 @@ def test_hybrid_shard_matches_hsdp_and_ddp(pool4, case, record_property):
     assert not {k for k in per_dim if k.endswith("@replicate")} - {"all_reduce@replicate"}, per_dim
 
 
+def uneven_batch_job() -> dict:
+    """hybrid_shard on 2 x 2 with a local batch size of its own on every rank (a symbolic batch
+    dim: one program, built on rank 0) against DDP over the 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = OddMLP()
+    ddp = DDP(deepcopy(model))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ddp_opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    step = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh)(adam_step)
+    chk = ParityChecker()
+    b = (6, 4, 5, 3)[dist.get_rank()]
+    for i in range(3):
+        x, y = rank_data(500 + i, (b, 20), (b, 5))
+        loss = step(model, opt, (x.clone(), y.clone()))
+        chk.close("loss", f"step {i}: loss", loss, adam_step(ddp, ddp_opt, (x, y)).detach())
+        compare_with_reference(chk, f"step {i}", model, opt, ddp.module, ddp_opt)
+    received = [any(s.startswith("received from rank") for s in e.stage_seconds)
+                for e in step._programs]
+    return dict(problems=chk.problems, received=received)
+
+
+def test_hybrid_program_shared_across_local_batch_sizes(pool4):
+    for rank, rep in enumerate(pool4.run(uneven_batch_job, timeout=300)):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+        assert rep["received"] == [rank > 0], f"rank {rank}: {rep['received']}"
+
+
 def cached_hybrid_job(cache_dir: str) -> dict:
     """Three runs of 3 Adam steps with the program cache: on one 2 x 2 mesh twice (rank 0
     builds, the others receive and store; then every rank loads), then on the transposed mesh
