@@ -30,15 +30,15 @@ from .collectives import aten, c10d, joined
 from .subgraph import insert_traced
 
 
-def _group(name):
-    """(rank, size) in the process group called ``name``, or None outside a process group."""
+def _group_size(name) -> int | None:
+    """The size of the process group called ``name``, or None outside a process group."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
         group = _resolve_process_group(name)
     except (KeyError, RuntimeError, ValueError):
         return None
-    return group.rank(), group.size()
+    return group.size()
 
 
 def _cpu_static(val) -> bool:
@@ -106,9 +106,8 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         shard, world, name = node.args
         buf = node.kwargs["out"]
-        group = _group(name)
         waits = list(node.users)
-        if (group is None or group[1] != world or not _cpu_static(buf.meta.get("val"))
+        if (_group_size(name) != world or not _cpu_static(buf.meta.get("val"))
                 or any(w.target is not c10d.wait_tensor.default for w in waits)):
             continue
         rows = buf.meta["val"].shape[0] // world
@@ -143,9 +142,8 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
         if node.target is not c10d.reduce_scatter_tensor.default:
             continue
         x, op, world, name = node.args
-        group = _group(name)
         waits = list(node.users)
-        if (group is None or group[1] != world or not _cpu_static(x.meta.get("val"))
+        if (_group_size(name) != world or not _cpu_static(x.meta.get("val"))
                 or not owned(x, node) or any(w.target is not c10d.wait_tensor.default for w in waits)):
             continue
         rows = x.meta["val"].shape[0] // world
