@@ -9,9 +9,15 @@ hundreds of MiB over its first steps), and both were slower than the collectives
 built from: ``world`` in-place broadcasts into the output's rows took 0.5-0.7x the all-gather's
 time, and an in-place all-reduce 0.7-1.0x the reduce-scatter's. This pass builds them so,
 in buffers the step owns (passes/memory_plan.py places those in its workspace).
+
+The program holds no rank: which rows are this rank's is read from the process group at each
+call (``group_rank``), so the program is the same on every rank of the group and one rank may
+build it for all of them (spmd_compiler/build/shared_compile.py).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.distributed as dist
@@ -24,15 +30,15 @@ from .collectives import aten, c10d, joined
 from .subgraph import insert_traced
 
 
-def _group(name):
-    """(rank, size) in the process group called ``name``, or None outside a process group."""
+def _group_size(name) -> int | None:
+    """The size of the process group called ``name``, or None outside a process group."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
         group = _resolve_process_group(name)
     except (KeyError, RuntimeError, ValueError):
         return None
-    return group.rank(), group.size()
+    return group.size()
 
 
 def _cpu_static(val) -> bool:
@@ -40,29 +46,57 @@ def _cpu_static(val) -> bool:
             and all(isinstance(s, int) for s in val.shape))
 
 
-def _broadcast_rows(shard, buf, rank: int, world: int, rows: int, name: str) -> list:
-    """Copy ``shard`` into this rank's rows of ``buf``; broadcast every rank's rows from it."""
-    slices = [aten.slice.Tensor(buf, 0, r * rows, (r + 1) * rows) for r in range(world)]
-    own = aten.copy_.default(slices[rank], shard)
-    return [c10d.broadcast_.default(own if r == rank else s, r, name) for r, s in enumerate(slices)]
+def group_rank(name: str) -> int:
+    """Graph node: this process's rank in the process group called ``name``, read per call."""
+    return _resolve_process_group(name).rank()
+
+
+def _own_rows(graph: fx.Graph, tensor: fx.Node, rows: int, name: str, region) -> fx.Node:
+    """Before the graph's insertion point: ``tensor``'s rows ``[rank * rows, (rank + 1) * rows)``
+    (a view, ``narrow``), the rank read from group ``name`` when the program runs."""
+    rank = graph.call_function(group_rank, (name,))
+    start = graph.call_function(operator.mul, (rank, rows))
+    own = graph.call_function(aten.narrow.default, (tensor, 0, start, rows))
+    own.meta["val"] = tensor.meta["val"].narrow(0, 0, rows)  # the same shape on every rank
+    for n in (rank, start, own):
+        n.meta[meta.REGION] = region
+    return own
+
+
+def _broadcast_every_rows(buf, world: int, rows: int, name: str) -> list:
+    """Broadcast each rank's rows of ``buf`` from that rank, in place."""
+    return [c10d.broadcast_.default(aten.slice.Tensor(buf, 0, r * rows, (r + 1) * rows), r, name)
+            for r in range(world)]
 
 
 def _waits(*issued) -> list:
     return [c10d.wait_tensor.default(x) for x in issued]
 
 
-def _own_rows(reduced, rank: int, rows: int):
-    """(the all-reduce's wait, a new tensor holding this rank's rows of its result)."""
-    done = c10d.wait_tensor.default(reduced)
-    mine = aten.slice.Tensor(done, 0, rank * rows, (rank + 1) * rows)
-    empty = aten.empty.memory_format(list(mine.shape), dtype=mine.dtype, device=mine.device)
-    return done, aten.copy_.default(empty, mine)
+def _filled(graph: fx.Graph, shard: fx.Node, buf: fx.Node, rows: int, name: str, region, *,
+            before: fx.Node) -> fx.Node:
+    """``buf`` once ``shard`` is copied into this rank's rows of it (``joined``: what reads it
+    runs after the copy)."""
+    with graph.inserting_before(before):
+        own = _own_rows(graph, buf, rows, name, region)
+        copied = graph.call_function(aten.copy_.default, (own, shard))
+        filled = graph.call_function(joined, (buf, copied))
+    copied.meta.update(val=own.meta["val"], **{meta.REGION: region})
+    filled.meta.update(val=buf.meta["val"], **{meta.REGION: region})
+    return filled
+
+
+def _fresh_copy(rows):
+    """A new tensor (``empty``: the memory plan may place it) holding ``rows``."""
+    empty = aten.empty.memory_format(list(rows.shape), dtype=rows.dtype, device=rows.device)
+    return aten.copy_.default(empty, rows)
 
 
 def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Turn each ``all_gather_into_tensor_out(shard, world, group, out=buf)`` of CPU tensors
-    into a copy of the shard into this rank's rows of ``buf`` and one in-place ``broadcast_``
-    of every rank's rows from that rank; its ``wait_tensor`` into a wait per broadcast.
+    into a copy of the shard into this rank's rows of ``buf`` (the rank read per call) and one
+    in-place ``broadcast_`` of every rank's rows from that rank, all after the copy; its
+    ``wait_tensor`` into a wait per broadcast.
 
     Reads: all_gather_into_tensor_out nodes and their waits. Writes: those nodes; recompiles.
     """
@@ -72,16 +106,15 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         shard, world, name = node.args
         buf = node.kwargs["out"]
-        group = _group(name)
         waits = list(node.users)
-        if (group is None or group[1] != world or not _cpu_static(buf.meta.get("val"))
+        if (_group_size(name) != world or not _cpu_static(buf.meta.get("val"))
                 or any(w.target is not c10d.wait_tensor.default for w in waits)):
             continue
-        rank = group[0]
         rows = buf.meta["val"].shape[0] // world
         info = dict(node.meta.get(meta.COLLECTIVE) or {}, kind="broadcast")
         region = node.meta.get(meta.REGION)
-        issued = insert_traced(graph, _broadcast_rows, (shard, buf, rank, world, rows, name),
+        filled = _filled(graph, shard, buf, rows, name, region, before=node)
+        issued = insert_traced(graph, _broadcast_every_rows, (filled, world, rows, name),
                                before=node, region=region, collective=info)
         for wait in waits:
             done = insert_traced(graph, _waits, tuple(issued), before=wait, region=region)
@@ -99,7 +132,8 @@ def broadcast_gathers(gm: fx.GraphModule) -> fx.GraphModule:
 def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
     """Turn each ``reduce_scatter_tensor(x, op, world, group)`` of a CPU tensor ``x`` that
     nothing else reads (``owned(x, node)``) into an in-place ``all_reduce_`` of ``x`` and, at
-    its wait, a copy of this rank's rows of it into a new (``empty``) tensor.
+    its wait, a copy of this rank's rows of it (the rank read per call) into a new (``empty``)
+    tensor.
 
     Reads: reduce_scatter_tensor nodes and their waits. Writes: those nodes; recompiles.
     """
@@ -108,20 +142,21 @@ def all_reduce_scatters(gm: fx.GraphModule, owned) -> fx.GraphModule:
         if node.target is not c10d.reduce_scatter_tensor.default:
             continue
         x, op, world, name = node.args
-        group = _group(name)
         waits = list(node.users)
-        if (group is None or group[1] != world or not _cpu_static(x.meta.get("val"))
+        if (_group_size(name) != world or not _cpu_static(x.meta.get("val"))
                 or not owned(x, node) or any(w.target is not c10d.wait_tensor.default for w in waits)):
             continue
-        rank = group[0]
         rows = x.meta["val"].shape[0] // world
         region = x.meta.get(meta.REGION)
         reduced = insert_traced(graph, c10d.all_reduce_.default, (x, op, name), before=node,
                                 region=region, collective=node.meta.get(meta.COLLECTIVE))
         for wait in waits:
-            done, shard = insert_traced(graph, _own_rows, (reduced, rank, rows), before=wait,
-                                        region=wait.meta.get(meta.REGION))
-            done.meta[meta.REGION] = region
+            done = insert_traced(graph, c10d.wait_tensor.default, (reduced,), before=wait,
+                                 region=region)
+            with graph.inserting_before(wait):
+                mine = _own_rows(graph, done, rows, name, wait.meta.get(meta.REGION))
+            shard = insert_traced(graph, _fresh_copy, (mine,), before=wait,
+                                  region=wait.meta.get(meta.REGION))
             wait.replace_all_uses_with(shard)
             graph.erase_node(wait)
         graph.erase_node(node)

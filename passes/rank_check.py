@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from . import meta
-from .gloo_collectives import _group
+from .gloo_collectives import _group_size
 from spmd_compiler.torch_internals import _resolve_process_group
 
 c10d = torch.ops._c10d_functional
@@ -140,8 +140,8 @@ def _carry_in_broadcast(gm: fx.GraphModule, agreement: fx.Node, carrier: Any,
     bytes and every other rank zeros, so the sum is rank 0's bytes and the headers' counts."""
     flat, source, group = issue.args
     val = issue.meta.get("val")
-    place = _group(group)
-    if source != 0 or group != carrier.group or place is None or place[1] >= 256 \
+    size = _group_size(group)
+    if source != 0 or group != carrier.group or size is None or size >= 256 \
             or not isinstance(flat, fx.Node) or flat.target is not aten.cat.default \
             or len(flat.users) != 1 or val is None or val.dtype != torch.uint8 \
             or _static_sum_size(val) is None or len(issue.users) != 1:

@@ -26,7 +26,7 @@ from .features.subclass_params import shard_context
 from .features.tensor_parallel import DataParallelDims, graph_inputs, has_plan
 from .observe import compile_log
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, check_policy, mesh_dims
-from .runtime.agreement import CARRIER, RankCheck, await_agreement, mesh_group
+from .runtime.agreement import CARRIER, RankCheck, await_agreement, dim_group_names, mesh_group
 from .runtime.call_args import StepArgs, lifted_hparams, split_step_args
 from .runtime.dispatch import (
     DONE,
@@ -130,12 +130,14 @@ class CompiledStep:
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
+            options = _cache_options(self, self._data_dims(mesh, sa))
             disk, stored = cache.lookup(_disk_cache(self), sa, dynamic, group, self.check_ranks,
-                                        fn=self.fn, options=_cache_options(self))
+                                        fn=self.fn, options=options)
         received = None
         try:
             ready, received = _obtain(self, sa, mesh, group, stored,
-                                      lambda: self._build(sa, mesh, key, dynamic, why), dynamic)
+                                      lambda: self._build(sa, mesh, key, dynamic, why), dynamic,
+                                      options)
             description = describe_program(sa, ready.graph, ready.traced.dynamic_dims)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
             description = e
@@ -172,13 +174,22 @@ class CompiledStep:
         _write_summaries(entry, self.dump_dir, self.compile_count - 1)
         return entry
 
+    def _data_dims(self, mesh, sa: StepArgs) -> list[tuple[str, int]]:
+        """(group name, size) of each data-parallel dim; a multi-dim mesh all data-parallel
+        names its groups alike on every rank (agreement.dim_group_names): its programs are
+        then the same on every rank, and one rank may build them for all."""
+        dims = self._data_mesh.dims(mesh, sa)
+        if mesh.ndim > 1 and self._data_mesh(mesh, sa) is mesh:
+            return list(zip(dim_group_names(mesh), (size for _, size in dims)))
+        return dims
+
     def _build(self, sa: StepArgs, mesh, key, dynamic, why) -> "_Ready":
         if self._last_key is not None:
             info("spmd_compiler: recompiling %s: %s", self.__name__, _why_again(self, key, sa, _why))
         if why:
             info("spmd_compiler: tracing as dynamic sizes: %s", "; ".join(why))
         program = build_program(self.fn, sa, build_options(
-            self, self._data_mesh.dims(mesh, sa), dynamic, self._data_mesh(mesh, sa),
+            self, self._data_dims(mesh, sa), dynamic, self._data_mesh(mesh, sa),
             mesh_group(mesh).group_name))
         return _Ready(program.final_traced, program.runnable, program.guard_code, program.seconds,
                       describe_graph(program.gm, program.runnable), len(program.gm.graph.nodes))
@@ -192,12 +203,13 @@ def _compile(step: CompiledStep, sa: StepArgs, mesh, key: tuple) -> CompiledGrap
         return step._compile(sa, mesh, key)
 
 
-def _obtain(step: CompiledStep, sa: StepArgs, mesh, group, stored, build: Callable, dynamic):
+def _obtain(step: CompiledStep, sa: StepArgs, mesh, group, stored, build: Callable, dynamic,
+            options: dict):
     """(the program: loaded from the disk cache, built here or received from the rank that
-    built it, the StoredProgram received or None); see shared_compile.py."""
+    built it, the StoredProgram received or None); see shared_compile.py. ``options``: the
+    step's options its programs depend on (``_cache_options``)."""
     if stored is None and step.check_ranks and dist.get_world_size(group) > 1:
-        return shared_compile.build_jointly(step, sa, mesh, group, dynamic,
-                                            options=_cache_options(step),
+        return shared_compile.build_jointly(step, sa, mesh, group, dynamic, options=options,
                                             check=lambda: _refuse_bound(sa), build=build,
                                             fits=lambda ready: _fits(step, ready, sa))
     _refuse_bound(sa)
@@ -306,11 +318,12 @@ def _disk_cache(step: CompiledStep) -> tuple[str | None, str]:
     return cache.setting(step.cache_dir, step.dump_dir, step.backend, bool(step._kept.mode))
 
 
-def _cache_options(step: CompiledStep) -> dict:
-    """The step's options that its programs depend on (part of the cache key)."""
+def _cache_options(step: CompiledStep, dims: list[tuple[str, int]]) -> dict:
+    """The step's options that its programs depend on (part of the cache key), with the names
+    and sizes of the data-parallel dims' groups the programs hold (``dims``)."""
     return dict(mode=step.parallel_mode, backend=step.backend, check_ranks=step.check_ranks,
                 gm_transformation=step.gm_transformation, mesh=None if step.mesh is None
-                else (tuple(step.mesh.shape), step.mesh.mesh_dim_names))
+                else (tuple(step.mesh.shape), step.mesh.mesh_dim_names), dims=dims)
 
 
 class _Ready(NamedTuple):

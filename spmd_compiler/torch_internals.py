@@ -90,7 +90,7 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     "_get_fused_kernels_supported_devices", "_make_graph_module", "_register_stack_trace_anchor",
     "_reparametrize_module", "_use_lazy_graph_module", "get_proxy_mode", "pytree",
     "unset_fake_temporarily", "backed_size_oblivious", "dtensor_spec", "has_kernel",
-    "local_tensor", "marked_dynamic_dims",
+    "local_tensor", "marked_dynamic_dims", "register_group_alias",
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
     "refuse_reentrant_checkpoint", "size_oblivious_reshape", "symbolic_floats_unhashable",
@@ -491,6 +491,22 @@ def default_store():
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def register_group_alias(name: str, group) -> bool:
+    """Let the functional collectives find ``group`` under ``name`` too (c10d's registry of
+    group names); True if ``name`` now names ``group``, False if it names another group."""
+    from torch._C._distributed_c10d import _register_process_group
+
+    try:
+        return _resolve_process_group(name) is group
+    except Exception:  # noqa: BLE001 - not registered yet
+        pass
+    try:
+        _register_process_group(name, group)
+    except RuntimeError:
+        return False
+    return _resolve_process_group(name) is group
 
 
 def init_adam_state(opt: torch.optim.Optimizer, group: dict) -> None:

@@ -170,7 +170,11 @@ def hybrid_job(case: str) -> dict:
         chk.check(p.grad is not None and tuple(p.grad.placements) == tuple(q.grad.placements),
                   f"eager backward: {name}.grad {getattr(p.grad, 'placements', None)}")
         chk.close("param", f"eager backward: {name}.grad", p.grad.full_tensor(), q.grad.full_tensor())
-    gm = step.last_compiled.traced.gm
+    received = [any(s.startswith("received from rank") for s in e.stage_seconds)
+                for e in step._programs]
+    gm = step.last_compiled.traced.gm  # None on a rank that received the program
+    if gm is None:
+        return dict(problems=chk.problems, max_err=chk.max_err, per_dim=None, received=received)
     per_dim: dict[str, int] = {}
     for n in gm.graph.nodes:
         if meta.COLLECTIVE in n.meta:
@@ -182,7 +186,7 @@ def hybrid_job(case: str) -> dict:
                 source = n.args[0].args[0] if n.args[0].target is torch.ops._c10d_functional.wait_tensor.default else None
                 chk.check(getattr(source, "target", None) is torch.ops._c10d_functional.reduce_scatter_tensor.default,
                           f"the replicate dim's all_reduce reads {n.args[0].format_node()}, not a reduce_scatter's wait")
-    return dict(problems=chk.problems, max_err=chk.max_err, per_dim=per_dim)
+    return dict(problems=chk.problems, max_err=chk.max_err, per_dim=per_dim, received=received)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -191,12 +195,83 @@ def test_hybrid_shard_matches_hsdp_and_ddp(pool4, case, record_property):
     for rank, rep in enumerate(reps):
         record_property(f"rank{rank}_max_err", rep["max_err"])
         assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+    # rank 0 builds every program; ranks 1-3 (other coordinates on both dims) receive them
+    assert not any(reps[0]["received"]), reps[0]["received"]
+    for rank, rep in enumerate(reps[1:], 1):
+        assert rep["received"] and all(rep["received"]), f"rank {rank}: {rep['received']}"
+        assert rep["per_dim"] is None, f"rank {rank} built its own program"
     per_dim = reps[0]["per_dim"]
-    assert all(r["per_dim"] == per_dim for r in reps), [r["per_dim"] for r in reps]
     # gathers and reduce-scatters only on the shard dim; the replicate dim all-reduces shards
     assert per_dim.get("all_gather@shard", 0) >= 1 and per_dim.get("reduce_scatter@shard", 0) >= 1
     assert per_dim.get("all_reduce@replicate", 0) >= 1
     assert not {k for k in per_dim if k.endswith("@replicate")} - {"all_reduce@replicate"}, per_dim
+
+
+def uneven_batch_job() -> dict:
+    """hybrid_shard on 2 x 2 with a local batch size of its own on every rank (a symbolic batch
+    dim: one program, built on rank 0) against DDP over the 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = OddMLP()
+    ddp = DDP(deepcopy(model))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ddp_opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    step = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh)(adam_step)
+    chk = ParityChecker()
+    b = (6, 4, 5, 3)[dist.get_rank()]
+    for i in range(3):
+        x, y = rank_data(500 + i, (b, 20), (b, 5))
+        loss = step(model, opt, (x.clone(), y.clone()))
+        chk.close("loss", f"step {i}: loss", loss, adam_step(ddp, ddp_opt, (x, y)).detach())
+        compare_with_reference(chk, f"step {i}", model, opt, ddp.module, ddp_opt)
+    received = [any(s.startswith("received from rank") for s in e.stage_seconds)
+                for e in step._programs]
+    return dict(problems=chk.problems, received=received)
+
+
+def test_hybrid_program_shared_across_local_batch_sizes(pool4):
+    for rank, rep in enumerate(pool4.run(uneven_batch_job, timeout=300)):
+        assert not rep["problems"], f"rank {rank}:\n  " + "\n  ".join(rep["problems"][:20])
+        assert rep["received"] == [rank > 0], f"rank {rank}: {rep['received']}"
+
+
+def cached_hybrid_job(cache_dir: str) -> dict:
+    """Three runs of 3 Adam steps with the program cache: on one 2 x 2 mesh twice (rank 0
+    builds, the others receive and store; then every rank loads), then on the transposed mesh
+    (other groups on both dims: the stored programs name the first mesh's, so it compiles)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    def run(mesh):
+        torch.manual_seed(0)
+        model = OddMLP()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        step = spmd_compile(DataParallel("hybrid_shard"), mesh=mesh, cache_dir=cache_dir)(adam_step)
+        for i in range(3):
+            step(model, opt, _batch(300 + i))
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+        return params, (step.compile_count, step.cache_hits)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    first, first_counts = run(mesh)
+    dist.barrier()  # every rank has written its file
+    second, second_counts = run(mesh)
+    _, other_counts = run(DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("replicate", "shard")))
+    return dict(first=first_counts, second=second_counts, other=other_counts,
+                identical=all(torch.equal(first[n], second[n]) for n in first))
+
+
+def test_hybrid_programs_received_stored_and_loaded(pool4, tmp_path):
+    for rank, rep in enumerate(pool4.run(cached_hybrid_job, str(tmp_path), timeout=300)):
+        assert rep["first"] == (1, 0) and rep["second"] == (1, 1), f"rank {rank}: {rep}"
+        assert rep["other"] == (1, 0), f"rank {rank}: a program of another mesh's groups loaded"
+        assert rep["identical"], f"rank {rank}: {rep}"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from spmd_compiler.passes.bucketing import bucket_collectives
 from spmd_compiler.passes.cleanup import eliminate_dead_code, remove_profiler_nodes
 from spmd_compiler.passes.collectives import aten, c10d
 from spmd_compiler.passes.dedup_collectives import deduplicate_collectives
-from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers
+from spmd_compiler.passes.gloo_collectives import all_reduce_scatters, broadcast_gathers, group_rank
 from spmd_compiler.passes.grad_outputs import output_gradients
 from spmd_compiler.passes.memory_plan import plan_static_memory
 from spmd_compiler.passes.recompute import recompute_activations, saved_activations
@@ -137,6 +137,7 @@ def test_broadcast_gathers_builds_the_gather_from_broadcasts(one_rank_gloo):
     targets = _targets(gm)
     assert c10d.all_gather_into_tensor_out.default not in targets
     assert targets.count(c10d.broadcast_.default) == 1 and aten.copy_.default in targets
+    assert group_rank in targets  # this rank's rows found per call: the program holds no rank
     assert all(n.meta[meta.COLLECTIVE]["kind"] == "broadcast" for n in gm.graph.nodes
                if n.target is c10d.broadcast_.default)
     shard = torch.arange(6.0).reshape(3, 2)
@@ -158,6 +159,7 @@ def test_all_reduce_scatters_reduces_in_place_then_copies_own_rows(one_rank_gloo
     targets = _targets(gm)
     assert c10d.reduce_scatter_tensor.default not in targets
     assert c10d.all_reduce_.default in targets and aten.empty.memory_format in targets
+    assert group_rank in targets
     x = torch.arange(8.0).reshape(4, 2)
     torch.testing.assert_close(gm(x)[0], x * 2)
 

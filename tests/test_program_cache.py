@@ -26,14 +26,16 @@ from tests.multirank import ParityChecker, rank_data
 from tests.steps import weighted_mse_step
 
 
-def _train(step_fn, model, cache_dir, mode="replicate", steps=3, **options) -> dict:
+def _train(step_fn, model, cache_dir, mode="replicate", steps=3, check_ranks=True,
+           **options) -> dict:
     """Train ``steps`` steps (Adam: one program, its state made before recording); return the
     final parameters, the compile and cache-hit counts and the spmd_compiler log."""
     from spmd_compiler import DataParallel, spmd_compile
 
     with spmd_log() as records:
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        step = spmd_compile(DataParallel(mode, **options), cache_dir=cache_dir)(step_fn)
+        step = spmd_compile(DataParallel(mode, **options), cache_dir=cache_dir,
+                            check_ranks=check_ranks)(step_fn)
         for i in range(steps):
             step(model, opt, rank_data(300 + i, (8, 50), (8, 8)))
     params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
@@ -56,9 +58,13 @@ def hit_and_miss_job(cache_dir: str, mode: str) -> dict:
     dist.barrier()  # every rank has written its files
     files = _programs(cache_dir)
     second = _train(train_step, _fresh(), cache_dir, mode)
+    # every rank compiling its own (no agreement: nothing is shared): what rank 1 must compute
+    # with the program rank 0 built, received and stored, then loaded from rank 1's file
+    own = _train(train_step, _fresh(), None, mode, check_ranks=False)
     out = dict(first=(first["compiles"], first["hits"]), second=(second["compiles"], second["hits"]),
                files=len(files),
                identical=all(torch.equal(first["params"][n], second["params"][n]) for n in first["params"]),
+               as_built_here=all(torch.equal(own["params"][n], second["params"][n]) for n in own["params"]),
                loaded_logged=any("loaded train_step" in m for m in second["log"]))
     # Each of these changes what the program is: a miss, not a wrong program.
     wide = _fresh()
@@ -76,6 +82,7 @@ def test_second_run_loads_the_programs_and_trains_identically(pool2, tmp_path, m
         assert res["files"] == 2, f"rank {rank}: one file per program and rank expected: {res}"
         assert res["second"] == (1, 1), f"rank {rank}: {res}"
         assert res["identical"], f"rank {rank}: a loaded program trained differently"
+        assert res["as_built_here"], f"rank {rank}: the program stored by rank 0 serves it wrong"
         assert res["loaded_logged"] or rank != 0, f"rank {rank}: {res}"  # logged on rank 0
         for change in ("changed model", "changed option", "changed step"):
             assert res[change] == 0, f"rank {rank}: {change} loaded a cached program: {res}"

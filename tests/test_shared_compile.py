@@ -1,6 +1,8 @@
 """One compile per job (spmd_compiler/build/shared_compile.py): rank 0 builds, the others receive the
-program and train as DDP does (replicate; fully_shard on CPU compiles on every rank); a rank whose program differs (a branch on its batch size or on
-its rank) builds its own; an error while rank 0 builds reaches every rank."""
+program and train as DDP does (replicate, fully_shard: the program reads the rank from its group
+at each call, with uneven shards too; hybrid_shard on 2 x 2: tests/test_hybrid_shard.py); a rank
+whose program differs (a branch on its batch size or on its rank) builds its own; an error while
+rank 0 builds reaches every rank."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spmd_compiler import DataParallel, spmd_compile
 from spmd_compiler.errors import RankMismatchError
-from tests.models import SimpleMLP, train_step
+from tests.models import SimpleMLP, TwoLayerMLP, train_step
 from tests.multirank import ParityChecker, rank_data
 from tests.steps import step_with
 
@@ -52,12 +54,18 @@ STEPS = {"train_step": train_step, "batch_branch": batch_branch_step,
          "rank_branch": rank_branch_step}
 
 
-def parity_job(mode: str, step_name: str, batches: list[int], optim: str = "adam") -> dict:
+MODELS = {"simple": SimpleMLP,
+          # 33 hidden rows: fully_shard's shards are 17 + 16 rows (padding on rank 1 only)
+          "odd": lambda: TwoLayerMLP(50, 33, 8, sigmoid=True)}
+
+
+def parity_job(mode: str, step_name: str, batches: list[int], optim: str = "adam",
+               model_name: str = "simple") -> dict:
     """Train 4 steps against DDP (every rank its own data and local batch size); the largest
     differences, and which programs each rank received."""
     step_fn = STEPS[step_name]
     torch.manual_seed(0)
-    model = SimpleMLP()
+    model = MODELS[model_name]()
     ddp = DDP(deepcopy(model))
     make = {"adam": lambda p: torch.optim.Adam(p, lr=0.01),
             "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)}[optim]
@@ -88,15 +96,24 @@ def test_rank0_compiles_the_others_receive_and_match_ddp(pool, mode, optim):
         # the state-creating program, then the steady one
         programs = 1 if optim == "adam" else 2
         assert res["compiles"] == programs
-        # fully_shard on CPU: gloo's gathers hold the rank, every rank compiles its own
-        shared = rank > 0 and mode == "replicate"
+        shared = rank > 0
         assert res["received"] == [shared] * programs, f"rank {rank}: {res['received']}"
 
 
 @pytest.mark.parametrize("pool", [2], indirect=True)
+def test_uneven_shards_share_the_program(pool):
+    """Shards of 17 and 16 rows: every rank's padded shard has 17, the program is the same."""
+    results = pool.run(parity_job, "fully_shard", "train_step", [6, 9], "adam", "odd", timeout=300)
+    for rank, res in enumerate(results):
+        assert not res["problems"], f"rank {rank}: {res['problems'][:5]}"
+        assert res["received"] == [rank > 0], f"rank {rank}: {res['received']}"
+
+
+@pytest.mark.parametrize("pool", [2], indirect=True)
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
 @pytest.mark.parametrize("step_name", ["batch_branch", "rank_branch"])
-def test_a_rank_whose_program_differs_builds_its_own(pool, step_name):
-    results = pool.run(parity_job, "replicate", step_name, [8, 6], "sgd", timeout=300)
+def test_a_rank_whose_program_differs_builds_its_own(pool, mode, step_name):
+    results = pool.run(parity_job, mode, step_name, [8, 6], "sgd", timeout=300)
     for rank, res in enumerate(results):
         assert not res["problems"], f"rank {rank}: {res['problems'][:5]}"
         assert not any(res["received"]), f"rank {rank}: {res['received']}"

@@ -25,15 +25,21 @@ guarded, trace/guards.py), one that
 cannot be packed (a global of its code not importable by name). A step that may change
 Python state (it assigns a global or reaches a plain object such as an LR scheduler or a
 counter: side_effects.may_change_python_state) is not shared either: its recording runs that
-Python on the building rank's objects, and each rank's objects must see it. A program that
-holds the rank is not shared at all: fully_shard on CPU (gloo's gathers and scatters written with this rank's
-rows, passes/gloo_collectives.py) compiles on every rank, as before.
+Python on the building rank's objects, and each rank's objects must see it.
+
+A program holds no rank of its own: where the lowering needs this rank's index (gloo's gathers
+and scatters on CPU, written as broadcasts into and copies out of this rank's rows,
+passes/gloo_collectives.py; the buffers' bytes of rank 0, passes/rank_check.py) the program
+reads it from its process group at each call, and parameters and optimizer state are sharded
+outside it (every rank's shard padded to the same rows). On a multi-dim mesh (hybrid_shard)
+each dim's groups are called by a name alike on every rank (runtime/agreement.dim_group_names;
+each rank's own group under it), part of the key: a rank whose names differ builds its own.
 An error while building reaches every rank of the set: an SPMDError (the user's step or
 arguments) is raised there as the builder raised it, with a note naming the builder; anything
 else as a ``RankMismatchError`` naming the builder and the error.
 
 Sharing needs the eager backend, no per-stage dumps (each rank's dumps show its own compile), no
-gradient accumulation, ``check_ranks`` (every rank compiles together) and a 1-D mesh without a
+gradient accumulation, ``check_ranks`` (every rank compiles together) and a mesh without a
 tensor-parallel plan or all-gather extensions (their programs hold each rank's own groups and
 shards). The bytes travel over the job's own process group: they are trusted as the job's
 collectives are (a peer that can send them can already send wrong gradients); the digest guards
@@ -90,17 +96,9 @@ def eligible(step, sa: StepArgs, mesh) -> bool:
     from ..features.tensor_parallel import has_plan
 
     return (step.check_ranks and step.backend == "eager" and not step.dump_dir
-            and not step._kept.mode and mesh.ndim == 1 and not has_plan(sa.module)
-            and not extension_key(sa.module) and not _rank_in_program(step, mesh)
+            and not step._kept.mode and not has_plan(sa.module)
+            and not extension_key(sa.module)
             and not may_change_python_state(step.fn, step_constants(sa), sa.module))
-
-
-def _rank_in_program(step, mesh) -> bool:
-    """Does the lowering write this rank's index into the program? passes/gloo_collectives.py
-    does for a sharded style on CPU (its gathers as broadcasts into this rank's rows)."""
-    from ..parallel_mode import SHARDED_STYLES
-
-    return step.parallel_mode.parallel_style in SHARDED_STYLES and mesh.device_type == "cpu"
 
 
 def plan(key: str | None, group) -> Sets:

@@ -425,8 +425,9 @@ def mark_gathered(gm: torch.fx.GraphModule, hooked: dict[str, Hooks], described:
 
 def shard_context(mode, mesh=None, dims=None) -> ShardContext | None:
     """This rank's ShardContext under a sharded style (None otherwise): from ``mesh`` (its
-    innermost dim), else from ``dims`` ((group name, size) per mesh dim; rank 0, no mesh: what
-    ``explain`` shows without a process group)."""
+    innermost dim, its group called as in ``dims``: the names the program holds), else from
+    ``dims`` ((group name, size) per mesh dim; rank 0, no mesh: what ``explain`` shows without
+    a process group)."""
     if mode.parallel_style not in ("fully_shard", "hybrid_shard"):
         return None
     if mesh is None:
@@ -434,8 +435,8 @@ def shard_context(mode, mesh=None, dims=None) -> ShardContext | None:
         return ShardContext(0, size, name)
     d = mesh.ndim - 1
     shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[d]]
-    return ShardContext(mesh.get_local_rank(d), mesh.size(d), mesh.get_group(d).group_name,
-                        shard_mesh)
+    name = dims[-1][0] if dims else mesh.get_group(d).group_name
+    return ShardContext(mesh.get_local_rank(d), mesh.size(d), name, shard_mesh)
 
 
 def extension_key(module: torch.nn.Module, named: list | None = None) -> tuple:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import pickle
 import sys
 import weakref
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import RankMismatchError
+from ..torch_internals import register_group_alias
 
 
 class Redispatch(Exception):
@@ -322,13 +324,40 @@ def exchange_objects(obj: Any, group) -> list[Any]:
 
 
 _FLAT_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, Any]" = weakref.WeakKeyDictionary()
+_DIM_NAMES: "weakref.WeakKeyDictionary[DeviceMesh, list[str]]" = weakref.WeakKeyDictionary()
 
 
 def mesh_group(mesh: DeviceMesh):
     """One process group over every rank of ``mesh`` (the cross-rank agreement's): the mesh's
-    own for a 1-D mesh, its flattened dim for a larger one (made once per mesh)."""
+    own for a 1-D mesh, its flattened dim for a larger one (made once per mesh, with the names
+    of its dims' groups alike on every rank: ``dim_group_names``)."""
     if mesh.ndim == 1:
         return mesh.get_group()
     if mesh not in _FLAT_GROUPS:
-        _FLAT_GROUPS[mesh] = mesh._flatten().get_group()
+        flat = mesh._flatten().get_group()
+        _DIM_NAMES[mesh] = _names_alike(mesh, flat)
+        _FLAT_GROUPS[mesh] = flat
     return _FLAT_GROUPS[mesh]
+
+
+def dim_group_names(mesh: DeviceMesh) -> list[str]:
+    """The names a program calls the groups of ``mesh``'s dims by, outermost first: on a mesh
+    ``mesh_group`` has seen, one name per dim alike on every rank (each rank's group of that dim
+    under it), so the program is the same on every rank; else each rank's own group names."""
+    own = [mesh.get_group(d).group_name for d in range(mesh.ndim)]
+    return [alike or name for alike, name in zip(_DIM_NAMES.get(mesh) or [None] * mesh.ndim, own)]
+
+
+def _name_of(group_names: list[str]) -> str:
+    return "spmd-mesh-dim-" + hashlib.sha256(repr(group_names).encode()).hexdigest()[:16]
+
+
+def _names_alike(mesh: DeviceMesh, flat) -> list[str | None]:
+    """Per dim of ``mesh``: a name made of every rank's group name of that dim (the same on
+    every rank, another for another set of groups), registered for this rank's group of the
+    dim; None where the name is taken by another group. One exchange over ``flat``."""
+    own = [mesh.get_group(d).group_name for d in range(mesh.ndim)]
+    every = exchange_objects(own, flat)
+    names = [_name_of([names[d] for names in every]) for d in range(mesh.ndim)]
+    return [name if register_group_alias(name, mesh.get_group(d)) else None
+            for d, name in enumerate(names)]
