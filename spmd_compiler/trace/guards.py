@@ -34,7 +34,7 @@ is noticed); a method the recording ran on a watched object by its code in its c
 absence from the instance (``model.lin.forward = ...`` and ``Net.forward = ...`` both
 recompile). A step that is a ``functools.partial`` has its bound arguments guarded as containers.
 User code that asks for attributes by computed names (``getattr``, ``vars``) has every plain
-attribute of the objects it reaches guarded, not only the names it spells. A read no path reaches (a closure cell holding data in a function
+attribute of the user-class objects it reaches guarded, not only the names it spells. A read no path reaches (a closure cell holding data in a function
 no root reaches, globals that are not their module's) becomes a guard that never holds, logged
 once: the program serves the call it was recorded for, and is neither shared nor cached.
 
@@ -687,7 +687,8 @@ class _Collector:
         """An object whose attribute reads were not watched: the attributes user code names,
         through the type and its MRO (user classes), absent ones included."""
         attrs = vars(obj)
-        named = attrs.keys() if self.computed_names and len(attrs) <= 256 else self.names
+        every = self.computed_names and len(attrs) <= 256 and _user_class(type(obj))
+        named = attrs.keys() if every else self.names
         for n in named & attrs.keys():
             if n in _SKIPPED_ATTRS or (module and "hook" in n):
                 continue
