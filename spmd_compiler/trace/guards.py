@@ -93,6 +93,7 @@ class _Unguardable:
     def __repr__(self):
         return "<not guardable>"
 _MAX_DEPTH = 3
+_BASE_CLASSES = (torch.nn.Module, object)
 _COMPUTED_NAMES = frozenset({"getattr", "hasattr", "vars", "__dict__", "attrgetter"})
 # module attributes that are structure (in the step's static key) or bookkeeping, not values
 _SKIPPED_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training", "_spmd_eager"})
@@ -542,6 +543,7 @@ class _Collector:
             self.codes.setdefault(fn.__code__, fn.__globals__)
         self.keys: set[str] = set()  # string constants of the user's code: names it reads
         self.computed_names = False
+        self._methods: set = set()  # (class, name) of the methods guarded by their code
 
     def expand(self) -> None:
         """Add nested code and the user functions that user code can call by a global name."""
@@ -723,14 +725,19 @@ class _Collector:
         method = None
         if owner < len(mro) and not is_plain(where[2]) and type(where[2]) not in (list, tuple, dict):
             method = _function_of(where[2])
-            if method is None:
-                return  # a property or other descriptor: its code's reads are its own
+            if method is None or mro[owner] in _BASE_CLASSES:
+                return  # a property or other descriptor: its code's reads are its own; (and
+                # nn.Module's own machinery, which every module runs, is not the model's)
         self._add(f"{name}.{n}", path + (("attr", n),), ABSENT, n)
         for k in range(min(owner, len(mro))):
             if _user_class(mro[k]):
                 self._add(f"{mro[k].__qualname__}.{n}", path + (("type", k), ("attr", n)), ABSENT, n)
         if method is not None:  # a method the recording ran: by its code (another one
-            # assigned to the class, or to the instance or a subclass above, is noticed)
+            # assigned to the class, or to the instance or a subclass above, is noticed), once
+            # per class however many instances ran it
+            if (mro[owner], n) in self._methods:
+                return
+            self._methods.add((mro[owner], n))
             self._add(f"{mro[owner].__qualname__}.{n}.__code__",
                       path + (("type", owner), ("attr", n), ("code", None)),
                       code_id(method.__code__), n)
