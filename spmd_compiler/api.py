@@ -69,6 +69,8 @@ class CompiledStep:
         parallel_mode = self._data_mesh.mode  # none given: replicate, or a plan over every dim alone
         _check_options(parallel_mode, backend, mesh)
         functools.update_wrapper(self, fn)
+        if not hasattr(self, "__name__"):  # a functools.partial, a callable object
+            self.__name__ = getattr(getattr(fn, "func", type(fn)), "__name__", type(fn).__name__)
         self.fn, self.parallel_mode, self.backend = fn, parallel_mode, backend
         self.dump_dir = dump_dir or os.environ.get("SPMD_DUMP_DIR") or None
         self.gm_transformation = gm_transformation

@@ -134,6 +134,122 @@ def case_list_element(rep):
                lambda: SCALES.__setitem__(1, 1.0))
 
 
+# A global rebound to a new object, a class reached through a global, a function replaced in a
+# container, a partial step's arguments, a method replaced on the instance or the class: each
+# changes what the step computes without changing anything the first program's guards were
+# bound to, so each is checked through the path it was read by.
+
+
+class LossConfig:
+    def __init__(self, w: float):
+        self.w = w
+
+
+class Nested:
+    def __init__(self, w: float):
+        self.loss = LossConfig(w)
+
+
+class Weights:
+    """A class whose attribute the step reads through the class's global name."""
+
+    mse = 1.0
+
+
+CONFIG = LossConfig(1.0)
+NESTED = Nested(1.0)
+LOSS_FNS = {"main": lambda out, y: F.mse_loss(out, y)}
+
+
+def _weighted_step(weight):
+    def step(model, optim, batch):
+        optim.zero_grad()
+        x, y = batch
+        loss = F.mse_loss(model(x), y) * weight()
+        loss.backward()
+        optim.step()
+        return loss
+    return step
+
+
+config_step = _weighted_step(lambda: CONFIG.w)
+nested_step = _weighted_step(lambda: NESTED.loss.w)
+class_step = _weighted_step(lambda: Weights.mse)
+
+
+def fn_table_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = LOSS_FNS["main"](model(x), y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def weighted_by(model, optim, batch, weights):
+    optim.zero_grad()
+    x, y = batch
+    loss = F.mse_loss(model(x), y) * weights["w"]
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def _rebind(name, value):
+    def change(m, r):
+        globals()[name] = value
+    return change
+
+
+def case_global_rebound(rep):
+    _guard_run(rep, config_step, _rebind("CONFIG", LossConfig(3.0)),
+               lambda: _rebind("CONFIG", LossConfig(1.0))(None, None))
+
+
+def case_nested_member_rebound(rep):
+    _guard_run(rep, nested_step, lambda m, r: setattr(NESTED, "loss", LossConfig(3.0)),
+               lambda: setattr(NESTED, "loss", LossConfig(1.0)))
+
+
+def case_class_through_global(rep):
+    _guard_run(rep, class_step, lambda m, r: setattr(Weights, "mse", 3.0),
+               lambda: setattr(Weights, "mse", 1.0))
+
+
+def case_function_replaced_in_dict(rep):
+    original = LOSS_FNS["main"]
+    _guard_run(rep, fn_table_step,
+               lambda m, r: LOSS_FNS.__setitem__("main", lambda out, y: F.l1_loss(out, y)),
+               lambda: LOSS_FNS.__setitem__("main", original))
+
+
+def case_partial_step_argument(rep):
+    import functools
+
+    weights = {"w": 1.0}
+    _guard_run(rep, functools.partial(weighted_by, weights=weights),
+               lambda m, r: weights.__setitem__("w", 3.0))
+
+
+def case_forward_replaced_on_instance(rep):
+    def change(m, r):
+        for net in (m, r):
+            lin = net.lin
+            lin.forward = lambda x, lin=lin: F.linear(x, lin.weight, lin.bias) * 2.0
+
+    _guard_run(rep, plain_step, change)
+
+
+def case_forward_replaced_on_class(rep):
+    original = Scaled.forward
+
+    def doubled(self, x):
+        return original(self, x) * 2.0
+
+    _guard_run(rep, plain_step, lambda m, r: setattr(Scaled, "forward", doubled),
+               lambda: setattr(Scaled, "forward", original))
+
+
 # --------------------------------------------------------------------------------------------------
 # The shared compile: a rank-dependent read that is not an instance attribute
 
@@ -317,6 +433,13 @@ CASES = {
     "getattr_computed_name": case_getattr_computed_name,
     "dict_int_key": case_dict_int_key,
     "list_element": case_list_element,
+    "global_rebound": case_global_rebound,
+    "nested_member_rebound": case_nested_member_rebound,
+    "class_through_global": case_class_through_global,
+    "function_replaced_in_dict": case_function_replaced_in_dict,
+    "partial_step_argument": case_partial_step_argument,
+    "forward_replaced_on_instance": case_forward_replaced_on_instance,
+    "forward_replaced_on_class": case_forward_replaced_on_class,
     "class_attribute_per_rank": case_class_attribute_per_rank,
     "environ_per_rank": case_environ_per_rank,
     "group_rank": case_group_rank,
@@ -355,7 +478,10 @@ def _case(pool, name: str) -> list[dict]:
 
 
 GUARD_CASES = ["class_attribute", "instance_shadows_class_default", "getattr_constant_name",
-               "getattr_computed_name", "dict_int_key", "list_element"]
+               "getattr_computed_name", "dict_int_key", "list_element", "global_rebound",
+               "nested_member_rebound", "class_through_global", "function_replaced_in_dict",
+               "partial_step_argument", "forward_replaced_on_instance",
+               "forward_replaced_on_class"]
 
 
 @pytest.mark.parametrize("name", GUARD_CASES)

@@ -155,10 +155,15 @@ def scheduler_job(how: str, style: str = "replicate") -> dict:
 
 
 def test_scheduler_stepped_inside_the_step_matches_ddp(pool2):
+    # Reached through the step's closure, the scheduler's values are guarded: its step replaces
+    # its ``_last_lr`` list, whose number then differs from the recorded one, and the step
+    # compiles once more with it as an input (then never again). Passed as an argument, it is
+    # not walked for guards.
+    compiles = {"closure": 3, "argument": 2}
     for how, style in (("closure", "replicate"), ("argument", "replicate"), ("closure", "fully_shard")):
         for res in pool2.run(scheduler_job, how, style):
             assert not res["problems"], (how, res["problems"])
-            assert res["lr"] == (0.1 * 0.5 ** STEPS, STEPS, 2), (how, res["lr"])
+            assert res["lr"] == (0.1 * 0.5 ** STEPS, STEPS, compiles[how]), (how, res["lr"])
 
 
 def test_scheduler_passed_and_read_is_no_rank_disagreement(pool2):

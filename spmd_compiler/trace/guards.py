@@ -25,9 +25,16 @@ spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enu
 tuples of them. Each is a ``ValueGuard``: its name as the user would write it, a path from the
 step's roots to it (valid in another process: the disk cache and the shared compile check
 programs with the same guards on the rank that runs them), the value at recording and the line
-that read it. Objects and modules along the way are followed three levels deep; a container
-replaced after the compile (a global rebound to another object) is not noticed, only the values
-inside the one that was read. A read no path reaches (a closure cell holding data in a function
+that read it. Objects and modules along the way are followed three levels deep; each object a
+path passes through is checked by identity first, and one replaced since (a global rebound to a
+new config, a member reassigned) re-resolves the paths on the new objects before the values are
+compared. A user class reached by name (``Weights.mse``) is followed like an object, through its
+MRO; a function by its code (``code_id``: another function put in a dict, a module or a class
+is noticed); a method the recording ran on a watched object by its code in its class and its
+absence from the instance (``model.lin.forward = ...`` and ``Net.forward = ...`` both
+recompile). A step that is a ``functools.partial`` has its bound arguments guarded as containers.
+User code that asks for attributes by computed names (``getattr``, ``vars``) has every plain
+attribute of the user-class objects it reaches guarded, not only the names it spells. A read no path reaches (a closure cell holding data in a function
 no root reaches, globals that are not their module's) becomes a guard that never holds, logged
 once: the program serves the call it was recorded for, and is neither shared nor cached.
 
@@ -86,6 +93,8 @@ class _Unguardable:
     def __repr__(self):
         return "<not guardable>"
 _MAX_DEPTH = 3
+_BASE_CLASSES = (torch.nn.Module, object)
+_COMPUTED_NAMES = frozenset({"getattr", "hasattr", "vars", "__dict__", "attrgetter"})
 # module attributes that are structure (in the step's static key) or bookkeeping, not values
 _SKIPPED_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training", "_spmd_eager"})
 _NUMBERS = (int, float)
@@ -107,7 +116,7 @@ class ValueGuard:
 # Paths: ("model",) / ("self",) / ("fn",) / ("optimizer", k) / ("global", module name) /
 # ("environ",) / ("unguardable",) roots, then steps ("sub", submodule path), ("attr", name),
 # ("item", key), ("group", index), ("cell", free variable name), ("type", index in the MRO),
-# ("len", None).
+# ("len", None), ("mro", index in a class's own MRO).
 
 
 class _Attrs:
@@ -136,6 +145,37 @@ class _Attrs:
             raise LookupError(f"{self.kind} {key!r} cannot be written")
 
 
+class _TypeOf:
+    """An object's class as a one-entry mapping (a path through the class checks it is the same
+    class)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def get(self, _key, default=_MISSING):
+        return type(self.obj)
+
+
+def code_id(code: types.CodeType) -> tuple:
+    """Which code a function runs, comparable in another process."""
+    return (code.co_filename, code.co_firstlineno, code.co_qualname)
+
+
+class _CodeOf:
+    """A function's code (``code_id``) as a one-entry mapping."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def get(self, _key, default=_MISSING):
+        fn = _function_of(self.fn)
+        return default if fn is None else code_id(fn.__code__)
+
+
 class _Cell:
     """A closure cell as a one-entry mapping (the guards read every value with ``get``)."""
 
@@ -158,7 +198,12 @@ def step_roots(fn: Callable, sa) -> dict:
     """The objects guard paths start from: the model, the optimizers, the step function and its
     instance (a bound-method step)."""
     fn = _unwrap(fn)
-    roots = {("model",): sa.module, ("fn",): getattr(fn, "__func__", fn)}
+    roots = {}
+    while isinstance(fn, functools.partial):  # its arguments are the step's too
+        roots.setdefault(("partial", "args"), fn.args)
+        roots.setdefault(("partial", "keywords"), fn.keywords)
+        fn = _unwrap(fn.func)
+    roots.update({("model",): sa.module, ("fn",): getattr(fn, "__func__", fn)})
     if isinstance(fn, types.MethodType):
         roots[("self",)] = fn.__self__
     elif not isinstance(fn, types.FunctionType) and hasattr(fn, "__dict__"):
@@ -201,23 +246,39 @@ def _step(obj, step: tuple):
         return _Cell(obj.__closure__[obj.__code__.co_freevars.index(arg)])
     if kind == "type":
         return type(obj).__mro__[arg]
+    if kind == "mro":
+        return obj.__mro__[arg]
     raise LookupError(f"unknown step {step}")
 
 
-def slot(path: tuple, roots: dict):
-    """(mapping, key) holding the value at ``path``: ``mapping.get(key)`` reads it."""
+def slot(path: tuple, roots: dict, along: list | None = None):
+    """(mapping, key) holding the value at ``path``: ``mapping.get(key)`` reads it. ``along``,
+    when given, receives a (mapping, key, object) per object the path passes through by an
+    attribute, item or closure cell: the object ``mapping.get(key)`` must still be for the
+    (mapping, key) to be the one the path names (a global rebound to another object is not)."""
     head, steps = path[0], path[1:]
     obj = _root(head, roots)
     for step in steps[:-1]:
         if step[0] in ("attr", "item"):
-            obj = (obj if step[0] == "item" or isinstance(obj, dict) else vars(obj))[step[1]]
+            holder = obj if step[0] == "item" or isinstance(obj, dict) else vars(obj)
+            obj = holder[step[1]]
+            if along is not None:
+                along.append((holder, step[1], obj))
         elif step[0] == "cell":
-            obj = _step(obj, step).get(None)
+            cell = _step(obj, step)
+            obj = cell.get(None)
             if obj is _MISSING:
                 raise LookupError(f"empty closure cell {step[1]}")
+            if along is not None:
+                along.append((cell, None, obj))
+        elif step[0] == "type" and along is not None:
+            along.append((_TypeOf(obj), None, type(obj)))  # (``obj.__class__ = Other``)
+            obj = _step(obj, step)
         else:
             obj = _step(obj, step)
     last = steps[-1]
+    if last[0] == "code":
+        return _CodeOf(obj), None
     if last[0] == "cell":
         return _step(obj, last), None
     if last[0] == "len":
@@ -242,17 +303,34 @@ class ValueGuards:
 
     def __init__(self, guards: Iterable[ValueGuard], roots: dict):
         self.guards = list(guards)
-        checked, lifted = [], []
+        self._roots = roots
+        self.has_lifted = any(g.lifted for g in self.guards)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Resolve every guard's path on the live objects: the (mapping, key) each value is read
+        from, and the objects the paths pass through (``slot``'s ``along``), which ``hold``
+        checks by identity first."""
+        checked, lifted, along = [], [], []
         for g in self.guards:
             try:
-                mapping, key = slot(g.path, roots)
+                mapping, key = slot(g.path, self._roots, along)
             except (LookupError, AttributeError, TypeError, ValueError, IndexError):
                 mapping, key = {}, None  # gone: the guard fails (a lifted value reads None)
             (lifted if g.lifted else checked).append((mapping, key, g.value))
         self._checked = checked
         self._lifted = [(m, k) for m, k, _ in lifted]
-        self.has_lifted = bool(lifted)
-        self.hold = _checker(checked)
+        self._same_objects = _identity_checker(along)
+        self._values_hold = _checker(checked)
+
+    def hold(self) -> bool:
+        """Does every value the program holds as a constant read as it did at recording? An
+        object along a path replaced since the last call (a global rebound to a new config)
+        re-resolves the paths on the new objects first, so its values are the ones compared and
+        the lifted values are read from it."""
+        if not self._same_objects():
+            self._bind()
+        return self._values_hold()
 
     def lifted_values(self) -> list:
         """The current values of the program's lifted inputs, in placeholder order (a tuple's
@@ -271,6 +349,8 @@ class ValueGuards:
 
     def changed(self) -> list[tuple[ValueGuard, Any]]:
         """(guard, current value) of every guard that fails."""
+        if not self._same_objects():
+            self._bind()
         out = []
         for g, (mapping, key, value) in zip([g for g in self.guards if not g.lifted], self._checked):
             now = mapping.get(key, _MISSING)
@@ -293,6 +373,24 @@ def _checker(checked: list[tuple]) -> Callable[[], bool]:
     exec(compile("def hold():\n    return bool(" + "\n        and ".join(terms) + ")",
                  "<spmd_compiler value guards>", "exec"), namespace)
     return namespace["hold"]
+
+
+def _identity_checker(along: list[tuple]) -> Callable[[], bool]:
+    """``same()``: is each object the guards' paths pass through still the one they were
+    resolved on (``mapping.get(key) is obj``)?"""
+    seen, terms, namespace = set(), [], {"_M": _MISSING}
+    for mapping, key, obj in along:
+        if (id(mapping), key) in seen:
+            continue
+        seen.add((id(mapping), key))
+        i = len(terms)
+        namespace.update({f"m{i}": mapping.get, f"k{i}": key, f"o{i}": obj})
+        terms.append(f"m{i}(k{i}, _M) is o{i}")
+    if not terms:
+        return lambda: True
+    exec(compile("def same():\n    return (" + "\n        and ".join(terms) + ")",
+                 "<spmd_compiler guarded paths>", "exec"), namespace)
+    return namespace["same"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -444,6 +542,8 @@ class _Collector:
         if isinstance(fn, types.FunctionType):
             self.codes.setdefault(fn.__code__, fn.__globals__)
         self.keys: set[str] = set()  # string constants of the user's code: names it reads
+        self.computed_names = False
+        self._methods: set = set()  # (class, name) of the methods guarded by their code
 
     def expand(self) -> None:
         """Add nested code and the user functions that user code can call by a global name."""
@@ -454,6 +554,9 @@ class _Collector:
         # pass to getattr or use as keys
         self.names = set().union(*(c.co_names for c in self.codes)) | self.keys
         self.user_names = set().union(*(c.co_names for c in user)) | self.keys
+        # user code that asks for attributes by a computed name: every attribute of the objects
+        # it reaches counts, not only the names it spells
+        self.computed_names = bool(_COMPUTED_NAMES.intersection(self.user_names))
         # names the code that ran assigns (self.n += 1, global n): state the step writes, which
         # spmd_compiler/trace/side_effects.py replays after each call; not a constant to guard
         self.stored = set().union(*(_stored_names(c) for c in self.codes))
@@ -471,6 +574,9 @@ class _Collector:
         fn = self.roots[("fn",)]
         if isinstance(fn, types.FunctionType):
             self._closure(fn, fn.__qualname__, (("fn",),), 1)
+        for head in (("partial", "args"), ("partial", "keywords")):
+            if head in self.roots:
+                self._container(self.roots[head], f"the step's partial {head[1]}", (head,), 1)
         for k, opt in enumerate(sa.optimizers):
             for gi, group in enumerate(opt.param_groups):
                 inputs = group_inputs(group)
@@ -516,8 +622,13 @@ class _Collector:
     def _value(self, v, name: str, path: tuple, depth: int, attr: str) -> None:
         if is_plain(v):
             self._add(name, path, v, attr)
+        elif isinstance(v, type) and depth < _MAX_DEPTH and _user_class(v):
+            self._class(v, name, path, depth + 1)
         elif depth < _MAX_DEPTH and not isinstance(v, (torch.Tensor, type)):
             if isinstance(v, types.FunctionType):
+                if is_user_file(v.__code__.co_filename):  # which function: by its code
+                    self._add(f"{name}.__code__", path + (("code", None),), code_id(v.__code__),
+                              attr)
                 self._closure(v, name, path, depth + 1)
             elif isinstance(v, types.ModuleType):
                 if is_user_file(getattr(v, "__file__", None) or "<"):
@@ -551,11 +662,36 @@ class _Collector:
             for f in _user_methods(type(obj), self.names):
                 self.codes.setdefault(f.__code__, f.__globals__)
 
+    def _class(self, cls: type, name: str, path: tuple, depth: int) -> None:
+        """A user class the step reaches (``Model.k``, ``Config.scale``): each name user code
+        uses, where its MRO finds it (absent in the classes before that one, which a subclass
+        attribute set later would shadow)."""
+        if id(cls) in self._seen_objects:
+            return
+        self._seen_objects.add(id(cls))
+        for f in _user_methods(cls, self.names):
+            self.codes.setdefault(f.__code__, f.__globals__)
+        mro = cls.__mro__
+        for n in sorted(self.user_names):
+            if not n.isidentifier() or n.startswith("__") or n in self.stored:
+                continue
+            owner = next((k for k, klass in enumerate(mro) if n in vars(klass)), None)
+            if owner is None or not _user_class(mro[owner]):
+                continue
+            for k in range(owner):
+                if _user_class(mro[k]):
+                    self._add(f"{mro[k].__qualname__}.{n}", path + (("mro", k), ("attr", n)),
+                              ABSENT, n)
+            self._value(vars(mro[owner])[n], f"{mro[owner].__qualname__}.{n}",
+                        path + (("mro", owner), ("attr", n)), depth, n)
+
     def _named(self, obj, name: str, path: tuple, depth: int, module: bool) -> None:
         """An object whose attribute reads were not watched: the attributes user code names,
         through the type and its MRO (user classes), absent ones included."""
         attrs = vars(obj)
-        for n in self.names.intersection(attrs):
+        every = self.computed_names and len(attrs) <= 256 and _user_class(type(obj))
+        named = attrs.keys() if every else self.names
+        for n in named & attrs.keys():
             if n in _SKIPPED_ATTRS or (module and "hook" in n):
                 continue
             self._value(attrs[n], f"{name}.{n}", path + (("attr", n),), depth, n)
@@ -586,13 +722,26 @@ class _Collector:
         owner = where[1] if where[0] == "class" else len(mro)
         if user_only and not any(_user_class(k) for k in mro[:owner + 1] if k is not object):
             return
+        method = None
         if owner < len(mro) and not is_plain(where[2]) and type(where[2]) not in (list, tuple, dict):
-            return  # a method, property or other descriptor: its code's reads are its own
+            method = _function_of(where[2])
+            if method is None or mro[owner] in _BASE_CLASSES:
+                return  # a property or other descriptor: its code's reads are its own; (and
+                # nn.Module's own machinery, which every module runs, is not the model's)
         self._add(f"{name}.{n}", path + (("attr", n),), ABSENT, n)
         for k in range(min(owner, len(mro))):
             if _user_class(mro[k]):
                 self._add(f"{mro[k].__qualname__}.{n}", path + (("type", k), ("attr", n)), ABSENT, n)
-        if owner < len(mro):
+        if method is not None:  # a method the recording ran: by its code (another one
+            # assigned to the class, or to the instance or a subclass above, is noticed), once
+            # per class however many instances ran it
+            if (mro[owner], n) in self._methods:
+                return
+            self._methods.add((mro[owner], n))
+            self._add(f"{mro[owner].__qualname__}.{n}.__code__",
+                      path + (("type", owner), ("attr", n), ("code", None)),
+                      code_id(method.__code__), n)
+        elif owner < len(mro):
             self._value(where[2], f"{mro[owner].__qualname__}.{n}",
                         path + (("type", owner), ("attr", n)), depth, n)
 
@@ -654,6 +803,12 @@ class _Collector:
             line = _line_reading(code, attr)
             return f'File "{code.co_filename}", line {line}, in {code.co_name}'
         return "<unknown location>"
+
+
+def _function_of(v) -> types.FunctionType | None:
+    """The Python function a class attribute runs (a plain, static or class method)."""
+    v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+    return v if isinstance(v, types.FunctionType) else None
 
 
 def _user_class(cls: type) -> bool:

@@ -139,7 +139,10 @@ def _attributes_watched(reads: Reads):
                 log.append(AttrRead(self, name, None, write=True))
             _put(self, name, value)
 
-        cls.__getattribute__, cls.__setattr__ = read, write
+        try:
+            cls.__getattribute__, cls.__setattr__ = read, write
+        except TypeError:  # a built-in (immutable) class: its instances' attributes are not
+            continue       # watched; guards.py follows the names the code uses instead
         patched.append((cls, own))
     try:
         yield

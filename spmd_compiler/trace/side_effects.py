@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
 import os
 import re
 import sys
@@ -155,7 +156,14 @@ def step_constants(sa) -> list[tuple[str, Any]]:
 
 
 def unwrapped(fn: Callable) -> Callable:
-    return getattr(fn, "__wrapped__", fn)
+    """The function a step runs: through ``functools.partial`` and ``functools.wraps``."""
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "__wrapped__") and not isinstance(fn, types.MethodType):
+            fn = fn.__wrapped__
+        else:
+            return fn
 
 
 def _code_objects(code: types.CodeType):
