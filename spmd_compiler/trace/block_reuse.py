@@ -135,6 +135,15 @@ def _replaced(key, shape_env):
     return key
 
 
+def _specialized(key, shape_env) -> bool:
+    """Has the ShapeEnv replaced a symbolic size in ``key`` by a number since (a template
+    recorded with it would use a size node where a recording now uses the number)?"""
+    if isinstance(key, sympy.Basic):
+        return shape_env is not None and not key.is_number and \
+            shape_env.replace(key).is_number
+    return type(key) is tuple and any(_specialized(k, shape_env) for k in key)
+
+
 def _shape_env_of(tensors):
     """The ShapeEnv of the first symbolic size among ``tensors``' sizes, or None."""
     for t in tensors:
@@ -192,6 +201,7 @@ class BlockReuse:
         self.objects: list = []  # weak references to the step objects copies were passed
         self.watch = step_objects.Watch()
         self.copied_with_objects: str | None = None  # the first such copy
+        self.written: set = set()  # step_objects.written by the blocks recorded as they ran
 
     def call(self, m, forward, args, kwargs):
         """Run the module call ``forward(*args, **kwargs)`` of ``m``, through a template when
@@ -229,7 +239,8 @@ class BlockReuse:
         template = self.templates.get(key)
         if template is None and self.templates:
             env = _shape_env_of(flat)
-            self.templates = {_replaced(k, env): t for k, t in self.templates.items()}
+            self.templates = {_replaced(k, env): t for k, t in self.templates.items()
+                              if not _specialized(k, env)}
             template = self.templates.get(_replaced(key, env))
         return template
 
@@ -513,14 +524,19 @@ class _Call:
         read_mark = seen.mark()
         if self.objects:
             with self.reuse.watch.pause():
-                self.uniform_objects = step_objects.uniform(
-                    step_objects.reachable(self.objects))
+                objects = step_objects.reachable(self.objects)
+                self.uniform_objects = step_objects.uniform(objects, self.reuse.written)
+                before = step_objects.entries(objects)
         tracer.block_codes, tracer.block_frame = codes, sys._getframe()
         try:
             with torch.enable_grad(), _reparametrize_module(self.m, state, strict=False):
                 out = self.forward(*args, **kwargs)
         finally:
             tracer.block_codes = tracer.block_frame = None
+        if self.objects:
+            with self.reuse.watch.pause():
+                self.reuse.written |= step_objects.written(
+                    before, step_objects.entries(step_objects.reachable(self.objects)))
         attrs, environ = seen.since(read_mark), seen.environ
 
         def reads_of(owners, free):
@@ -668,8 +684,9 @@ class _Call:
         env = _shape_env_of([g for g in used if g is not None] + [
             n.meta["val"] for n in t.grad_nodes])
         if any(g is not None for g, d in zip(grads, t.differentiable) if not d) or any(
-                g is None or _replaced(_tensor_key(g)[:1] + _tensor_key(g)[3:], env)
-                != _replaced(k, env) for g, k in zip(used, t.grad_keys)):
+                g is None or _specialized(k, env) or _replaced(
+                    _tensor_key(g)[:1] + _tensor_key(g)[3:], env) != _replaced(k, env)
+                for g, k in zip(used, t.grad_keys)):
             raise BlockMismatch(f"the gradients reaching block {self.path} differ from its "
                                 f"template's")
         tracer = self.tracer

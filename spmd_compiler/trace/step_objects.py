@@ -70,16 +70,44 @@ def reachable(roots) -> list:
     return out
 
 
-def uniform(objects) -> str | None:
+def uniform(objects, written: set) -> str | None:
     """Why a block's reads of ``objects``' state could depend on which block reads it (a list
-    of unequal entries, a non-empty dict), or None."""
+    of unequal entries, a non-empty dict), or None. Entries ``written`` by the blocks recorded
+    before (their ids, or (id of the list, index)) are left out: each block has its own."""
     for o in objects:
         for name, v in vars(o).items():
             if isinstance(v, dict) and v:
                 return f"{type(o).__name__}.{name} is a non-empty dict"
-            if isinstance(v, (list, tuple)) and len({repr(contents(x)) for x in v}) > 1:
+            if isinstance(v, (list, tuple)) and len({
+                    repr(contents(x)) for i, x in enumerate(v)
+                    if id(x) not in written and (id(v), i) not in written}) > 1:
                 return f"the entries of {type(o).__name__}.{name} differ"
     return None
+
+
+def entries(objects) -> dict:
+    """What :func:`written` compares: each object's contents, each list's entries."""
+    out = {}
+    for o in objects:
+        out[id(o)] = repr(contents(vars(o), 2))
+        for v in vars(o).values():
+            if isinstance(v, list):
+                out[id(v)] = [id(x) for x in v]
+    return out
+
+
+def written(before: dict, after: dict) -> set:
+    """The objects (ids) whose contents changed between two :func:`entries`, and the list
+    entries ((id of the list, index)) replaced."""
+    out = set()
+    for k, v in before.items():
+        if isinstance(v, list):
+            now = after.get(k, [])
+            out |= {(k, i) for i in range(max(len(v), len(now)))
+                    if i >= len(v) or i >= len(now) or v[i] != now[i]}
+        elif after.get(k) != v:
+            out.add(k)
+    return out
 
 
 def state(objects) -> tuple:
