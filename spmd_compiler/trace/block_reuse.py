@@ -202,6 +202,7 @@ class BlockReuse:
         self.watch = step_objects.Watch()
         self.copied_with_objects: str | None = None  # the first such copy
         self.written: set = set()  # step_objects.written by the blocks recorded as they ran
+        self.held = {id(v) for m in root.modules() for v in vars(m).values()}  # by the model
 
     def call(self, m, forward, args, kwargs):
         """Run the module call ``forward(*args, **kwargs)`` of ``m``, through a template when
@@ -290,7 +291,9 @@ class BlockReuse:
         names = [n for n, _ in m.named_parameters()] + [n for n, _ in m.named_buffers()]
         state = [t for _, t in m.named_parameters()] + [t for _, t in m.named_buffers()]
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        why = _refused(state, leaves)
+        why = _refused(state, leaves) or next(
+            (f"it is passed the model's {type(x).__name__} (an object that outlives the step)"
+             for x in leaves if id(x) in self.held and step_objects.is_step_object(x)), None)
         if why:
             return None, why, None, None, None
         flat, slot = list(state), {id(t): k for k, t in enumerate(state)}
@@ -761,6 +764,8 @@ class _BlockCall(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.call = call
         outs = call.run_forward(flat)
+        call.args = call.kwargs = None  # (the step objects among them must not outlive it)
+        call.objects = ()
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, call.template.differentiable)
                                       if not d))
         return tuple(outs)
