@@ -312,7 +312,7 @@ BLOCK_CASES = {
     "global_rebound": [],
     "shared_object_changed": [],
     "cpu_autocast": ["blocks.1", "blocks.2"],
-    "step_object": ["blocks.1", "blocks.2", "blocks.3", "blocks.4"],
+    "step_object": ["blocks.2", "blocks.3", "blocks.4"],  # (blocks.1 checks blocks.0)
 }
 
 

@@ -179,6 +179,7 @@ class _Template:
     why_not: str | None = None  # why it is not reusable
     dead: set = field(default_factory=set)  # size arithmetic no copy uses: not copied
     object_state: tuple = ()  # step_objects.state of the objects it was passed, after it ran
+    verified: bool = True  # False: it read an int any block may differ in (see _recorded_alike)
 
 
 class BlockReuse:
@@ -214,7 +215,7 @@ class BlockReuse:
         if key is None:
             self.fell_back(path, flat)
             return forward(*args, **kwargs)
-        template = self._template(key, flat)
+        template, check_of = self._template(key, flat), None
         if template is not None:
             why = template.why_not or template.reads.differs(m) or (
                 "the objects it is passed changed since block " + template.path
@@ -222,10 +223,12 @@ class BlockReuse:
             if why:
                 self.fell_back(path, why)
                 template = None  # recorded as the first was, not copied
+            elif not template.verified:
+                check_of, template = template, None  # recorded, to compare with the template
             elif objects:
                 self._watch(path, objects)
         call = _Call(self, m, path, forward, args, kwargs, flat, names, spec, key, template)
-        call.objects = objects
+        call.objects, call.check_of = objects, check_of
         call.caller_trace = call.tracer._stack_trace(sys._getframe(1)) or ""
         self.inside = True
         try:
@@ -327,6 +330,43 @@ def _refused(state, leaves) -> str | None:
         elif type(x) not in _PRIMITIVES and not step_objects.is_step_object(x):
             return f"it is passed a {type(x).__name__} (neither a tensor, a number nor an object)"
     return None
+
+
+def _verify(template: "_Template", second: "_Template") -> None:
+    """Copies of ``template``, which read an int attribute that may differ between blocks
+    (``layer_idx``), are made only if a second block with another value recorded the same nodes
+    (torch code reading the int, ``x * self.layer_idx``, would show in them)."""
+    why = second.why_not or _recorded_alike(template, second)
+    template.verified = why is None
+    template.object_state = second.object_state  # (the second block wrote its own entries)
+    if why is not None:
+        template.why_not = template.why_not or why
+        template.reusable = False
+
+
+def _recorded_alike(a: "_Template", b: "_Template") -> str | None:
+    """How block ``b``'s recording differs from ``a``'s (ops, arguments, sizes), or None."""
+    def rows(t):
+        nodes = [n for n in t.fwd_nodes + t.bwd_nodes if not _is_sym(n)]
+        index = {n: ("in", k) for k, n in enumerate(t.input_nodes)}
+        index.update((n, ("grad", k)) for k, n in enumerate(t.grad_nodes))
+        index.update((n, k) for k, n in enumerate(nodes))
+
+        def ref(x):
+            if x in index:
+                return index[x]
+            return ("size", str(x.meta["val"])) if _is_sym(x) else ("node", x)
+
+        return [(n.op, "constant" if n.op == "get_attr" else n.target,
+                 torch.fx.map_arg((n.args, n.kwargs), ref),
+                 str(getattr(n.meta.get("val"), "shape", None))) for n in nodes]
+
+    for row_a, row_b in zip(rows(a), rows(b)):
+        if row_a != row_b:
+            return (f"block {b.path} records {row_b[1]} otherwise than block {a.path} (an int "
+                    f"attribute that differs between them reaches torch code)")
+    return None if len(rows(a)) == len(rows(b)) else \
+        f"block {b.path} records other nodes than block {a.path}"
 
 
 def _listed(paths: list[str]) -> str:
@@ -467,6 +507,7 @@ class _Call:
         self.inner = None
         self.caller_trace = ""
         self.objects: list = []  # the step objects it is passed (spmd_compiler/trace/step_objects.py)
+        self.check_of: "_Template | None" = None  # the template its recording checks
         self.uniform_objects: str | None = None  # why their state may read otherwise per block
 
     # forward ------------------------------------------------------------------------------
@@ -515,6 +556,9 @@ class _Call:
             self._record_backward(t, leaves, outs)
         if self.reuse._template(self.key, flat) is None:
             self.reuse.templates[self.key] = t
+        t.verified = not any(r is _ANY_INT for _, _, r in reads.inside)
+        if self.check_of:
+            _verify(self.check_of, t)
         self.template = t
         self.inner = (leaves, outs)  # a block that cannot be copied: its own backward
         self.env = {n: n for n in t.input_nodes + t.fwd_nodes}

@@ -13,14 +13,17 @@ only where that cannot show:
   nodes use a tensor from before it: a pre-filled cache's keys);
 - the block's own integer attributes that differ between blocks (``layer_idx``) are used by the
   object's own methods only: while the template records, each is a :class:`TrackedInt` that
-  notes any use by other Python (arithmetic, comparison, hashing, formatting);
+  notes any use by other Python (arithmetic, comparison, hashing, formatting); torch reads an
+  int's value in C without such a use (``x * self.layer_idx``), so the next block, with
+  another value, is recorded too and copies are made only if it recorded the same nodes
+  (block_reuse._verify);
 - nothing reads the object once a block was copied (:class:`Watch`: every attribute read on
   its reachable objects is noted), and the object is gone after the step (a weak reference):
   the entries a copy did not write are never seen. Otherwise the step is recorded again
   without reuse.
 
-Not seen: torch code that reads such an integer's value in C (``x * self.layer_idx``) without
-Python arithmetic on it.
+Not seen: a Python-only entry of the object (no tensor) that one block writes and a later block
+reads by another index than its own.
 """
 
 from __future__ import annotations
