@@ -356,6 +356,27 @@ class Block(nn.Module):
         return x + self.scale * gain * torch.tanh(self.lin(x))
 
 
+class Memo:
+    """An object the step makes and passes through the blocks, which store their outputs in it
+    by their index (as a Hugging Face cache stores keys and values by ``layer_idx``)."""
+
+    def __init__(self, n: int):
+        self.outputs = [None] * n
+
+    def put(self, index, x):
+        self.outputs[index] = x
+        return x
+
+
+class MemoBlock(Block):
+    def __init__(self, config, index: int):
+        super().__init__(config)
+        self.index = index
+
+    def forward(self, x, memo):
+        return memo.put(self.index, super().forward(x))
+
+
 def _negated_forward(self, x):
     return x - self.scale * torch.tanh(self.lin(x))
 
@@ -369,7 +390,8 @@ class Stack(nn.Module):
         self.vary = vary
         self.config = Config()
         self.inp = nn.Linear(50, 16)
-        self.blocks = nn.ModuleList(Block(self.config) for _ in range(5))
+        self.blocks = nn.ModuleList(MemoBlock(self.config, i) if vary == "step_object" else
+                                    Block(self.config) for i in range(5))
         self.head = nn.Linear(16, 8)
         if vary == "class_default_overridden":
             self.blocks[2].scale = 2.0
@@ -381,6 +403,7 @@ class Stack(nn.Module):
     def forward(self, x):
         global GAIN
         h = self.inp(x)
+        memo = Memo(len(self.blocks))
         for i, block in enumerate(self.blocks):
             if self.vary == "global_rebound":
                 GAIN = 1.0 + 0.5 * i
@@ -389,6 +412,8 @@ class Stack(nn.Module):
             if self.vary == "cpu_autocast" and i >= 3:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     h = block(h).float()
+            elif self.vary == "step_object":
+                h = block(h, memo)
             else:
                 h = block(h)
         GAIN = self.config.gain = 1.0
@@ -403,6 +428,7 @@ BLOCK_CASES = {
     "global_rebound": [],
     "shared_object_changed": [],
     "cpu_autocast": ["blocks.1", "blocks.2"],
+    "step_object": ["blocks.2", "blocks.3", "blocks.4"],  # (blocks.1 checks blocks.0)
 }
 
 
@@ -411,18 +437,24 @@ def _block_case(name: str):
         import spmd_compiler.trace.block_reuse as block_reuse
 
         copy, copies = block_reuse._Call._copy_forward, []
+        reuse_off, abandoned = block_reuse.reuse_off, []
 
         def counted(self, flat):
             copies.append(self.path)
             return copy(self, flat)
 
-        block_reuse._Call._copy_forward = counted
+        def counted_off():
+            abandoned.append(1)
+            return reuse_off()
+
+        block_reuse._Call._copy_forward, block_reuse.reuse_off = counted, counted_off
         try:
             parity_run(rep, "replicate", lambda: Stack(name), _sgd, plain_step,
                        [xy(i) for i in range(3)])
         finally:
-            block_reuse._Call._copy_forward = copy
+            block_reuse._Call._copy_forward, block_reuse.reuse_off = copy, reuse_off
         rep.facts["copies"] = sorted(set(copies))
+        rep.facts["abandoned"] = len(abandoned)  # recordings started again without reuse
     return case
 
 
@@ -502,6 +534,7 @@ def test_a_rank_dependent_read_is_not_shared(pool2, name):
 def test_a_block_is_copied_only_where_its_reads_are_equal(pool2, name):
     reps = _case(pool2, f"block_{name}")  # (rank 1 receives the program rank 0 recorded)
     assert reps[0]["facts"]["copies"] == BLOCK_CASES[name]
+    assert reps[0]["facts"]["abandoned"] == 0  # the (x, y) loss's gradients fit the copies
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ of a block runs through an autograd function (``_BlockCall``) keyed by everythin
 of the block can depend on: the block's structure, the ``training`` flag of each of its modules,
 grad state, the default dtype, the arguments' structure and non-tensor values, and each
 tensor's dtype, device, ``requires_grad``, symbolic sizes, strides and which arguments are the
-same tensor (under autocast, on any device type, a block is recorded as it runs).
+same tensor (under autocast, on any device type, a block is recorded as it runs). Sizes are
+compared as the ShapeEnv's replacements have them: a label's batch size that the loss proved
+equal to the input's is the same size, whichever symbol each was made with.
 
 - The first call with a key records the block as usual (its forward nodes land in the step's
   graph), then its backward once into a scratch graph (``torch.autograd.grad`` of its outputs,
@@ -30,10 +32,14 @@ same tensor (under autocast, on any device type, a block is recorded as it runs)
 The copies share the template's fake values (same shapes, dtypes and symbols) and carry the
 block's own module path in ``nn_module_stack``; the graph is the one a plain recording makes,
 block for block (tests/test_block_reuse.py compares them). Nothing is guessed: a block with
-hooks, non-plain tensors (DTensor, subclasses), non-primitive arguments, outputs that are not
-fresh tensors or an in-place update of an input is recorded plainly; a backward whose incoming
-gradients differ from the template's (a missing or strided one) abandons reuse and the whole
-step is recorded again without it (``BlockMismatch``). ``SPMD_NO_BLOCK_REUSE=1`` turns it off.
+hooks, non-plain tensors (DTensor, subclasses), outputs that are not fresh tensors, an in-place
+update of an input or a use of a tensor it was not passed is recorded plainly. An object the
+step makes and passes through the blocks (a ``DynamicCache``) is handled by
+spmd_compiler/trace/step_objects.py. A backward whose incoming gradients differ from the
+template's (a missing or strided one), or a step object read after a copy skipped its Python,
+abandons reuse and the whole step is recorded again without it (``BlockMismatch``). Every
+block recorded plainly and every abandoned recording is logged (INFO, ``spmd_compiler``
+logger) with the reason. ``SPMD_NO_BLOCK_REUSE=1`` turns it off.
 """
 
 from __future__ import annotations
@@ -41,11 +47,14 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import logging
 import os
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 
 from ..errors import SPMDError
@@ -61,7 +70,10 @@ from ..torch_internals import (
     sym_node,
     untraced,
 )
+from . import step_objects
 from .reads import ABSENT_READ, expanded, fingerprint, functions_of, is_user_file, resolve
+
+log = logging.getLogger("spmd_compiler")
 
 _PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout)
 _switched_off = False
@@ -112,6 +124,35 @@ def _tensor_key(t: torch.Tensor) -> tuple:
             tuple(map(_size, t.stride())), _size(t.storage_offset()))
 
 
+def _replaced(key, shape_env):
+    """``key`` with every symbolic expression in it rewritten by the ShapeEnv's current
+    replacements: sizes the ShapeEnv has proven equal (a label's batch size and the input's)
+    become the same expression, whichever symbol each was made with."""
+    if isinstance(key, sympy.Basic):
+        return shape_env.replace(key) if shape_env is not None else key
+    if type(key) is tuple:
+        return tuple(_replaced(k, shape_env) for k in key)
+    return key
+
+
+def _specialized(key, shape_env) -> bool:
+    """Has the ShapeEnv replaced a symbolic size in ``key`` by a number since (a template
+    recorded with it would use a size node where a recording now uses the number)?"""
+    if isinstance(key, sympy.Basic):
+        return shape_env is not None and not key.is_number and \
+            shape_env.replace(key).is_number
+    return type(key) is tuple and any(_specialized(k, shape_env) for k in key)
+
+
+def _shape_env_of(tensors):
+    """The ShapeEnv of the first symbolic size among ``tensors``' sizes, or None."""
+    for t in tensors:
+        for s in (*t.shape, *t.stride(), t.storage_offset()):
+            if isinstance(s, torch.SymInt):
+                return s.node.shape_env
+    return None
+
+
 def _plain(t) -> bool:
     return type(t).__name__ == "FakeTensor" and not t.is_sparse
 
@@ -121,6 +162,7 @@ class _Template:
     """One recorded block: its forward nodes (in the step's graph) and backward (scratch)."""
 
     path: str  # module path of the block it was recorded on
+    caller_trace: str  # the stack trace of its call (its nodes' stack traces start with it)
     input_nodes: list  # per flat input
     fwd_nodes: list
     shared: set  # nodes reading a size of a tensor from before the block: not copied
@@ -134,7 +176,10 @@ class _Template:
     bwd_nodes: list = field(default_factory=list)
     results: list = field(default_factory=list)  # per flat input: node of its gradient or None
     reusable: bool = True
+    why_not: str | None = None  # why it is not reusable
     dead: set = field(default_factory=set)  # size arithmetic no copy uses: not copied
+    object_state: tuple = ()  # step_objects.state of the objects it was passed, after it ran
+    verified: bool = True  # False: it read an int any block may differ in (see _recorded_alike)
 
 
 class BlockReuse:
@@ -153,6 +198,12 @@ class BlockReuse:
                 self.paths[id(root.get_submodule(path))] = path
         self.templates: dict[tuple, _Template] = {}
         self.inside = False
+        self.fallbacks: dict[str, list[str]] = {}  # why -> blocks recorded as they ran
+        self.objects: list = []  # weak references to the step objects copies were passed
+        self.watch = step_objects.Watch()
+        self.copied_with_objects: str | None = None  # the first such copy
+        self.written: set = set()  # step_objects.written by the blocks recorded as they ran
+        self.held = {id(v) for m in root.modules() for v in vars(m).values()}  # by the model
 
     def call(self, m, forward, args, kwargs):
         """Run the module call ``forward(*args, **kwargs)`` of ``m``, through a template when
@@ -160,13 +211,25 @@ class BlockReuse:
         path = self.paths.get(id(m))
         if path is None or self.inside or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        key, flat, names, spec = self._key(m, args, kwargs)
+        key, flat, names, spec, objects = self._key(m, args, kwargs)
         if key is None:
+            self.fell_back(path, flat)
             return forward(*args, **kwargs)
-        template = self.templates.get(key)
-        if template is not None and not (template.reusable and template.reads.hold(m)):
-            template = None  # recorded as the first was, not copied
+        template, check_of = self._template(key, flat), None
+        if template is not None:
+            why = template.why_not or template.reads.differs(m) or (
+                "the objects it is passed changed since block " + template.path
+                if objects and self._objects_state(objects) != template.object_state else None)
+            if why:
+                self.fell_back(path, why)
+                template = None  # recorded as the first was, not copied
+            elif not template.verified:
+                check_of, template = template, None  # recorded, to compare with the template
+            elif objects:
+                self._watch(path, objects)
         call = _Call(self, m, path, forward, args, kwargs, flat, names, spec, key, template)
+        call.objects, call.check_of = objects, check_of
+        call.caller_trace = call.tracer._stack_trace(sys._getframe(1)) or ""
         self.inside = True
         try:
             outs = _BlockCall.apply(call, *flat)
@@ -174,30 +237,142 @@ class BlockReuse:
             self.inside = False
         return call.unflatten(outs)
 
+    def _template(self, key, flat) -> "_Template | None":
+        """The template recorded with ``key``, sizes compared as the ShapeEnv now knows them
+        (a template keyed before a replacement is found under its replaced key)."""
+        template = self.templates.get(key)
+        if template is None and self.templates:
+            env = _shape_env_of(flat)
+            self.templates = {_replaced(k, env): t for k, t in self.templates.items()
+                              if not _specialized(k, env)}
+            template = self.templates.get(_replaced(key, env))
+        return template
+
+    def fell_back(self, path: str, why: str) -> None:
+        """Note that block ``path`` was recorded as it ran, not copied, and why."""
+        self.fallbacks.setdefault(why, []).append(path)
+
+    def _objects_state(self, objects) -> tuple:
+        with self.watch.pause():
+            return step_objects.state(step_objects.reachable(objects))
+
+    def _watch(self, path: str, objects) -> None:
+        """A block passed ``objects`` is copied: from now on nothing may read them, and they
+        must be gone after the step (:meth:`finish`)."""
+        self.copied_with_objects = self.copied_with_objects or path
+        self.objects += [weakref.ref(o) for o in objects]
+        with self.watch.pause():
+            self.watch.add(step_objects.reachable(objects))
+
+    def finish(self) -> None:
+        """After the step's recording: log the blocks recorded as they ran, and raise
+        ``BlockMismatch`` if a copied block's skipped Python could have shown (see
+        spmd_compiler/trace/step_objects.py)."""
+        self.watch.stop()
+        for why, paths in self.fallbacks.items():
+            log.info("spmd_compiler: block reuse: %s recorded as %s ran, not copied: %s",
+                     _listed(paths), "it" if len(paths) == 1 else "they", why)
+        if self.watch.read is not None:
+            raise self.mismatch()
+        alive = [type(r()).__name__ for r in self.objects if r() is not None]
+        if alive:
+            raise BlockMismatch(f"the {alive[0]} passed to block {self.copied_with_objects} "
+                                f"outlives the step, without the entries its copies skipped")
+
+    def mismatch(self) -> BlockMismatch:
+        """The error of a step that read a step object after a block passed it was copied."""
+        return BlockMismatch(f"the step read {self.watch.read} after block "
+                             f"{self.copied_with_objects} was copied without running")
+
     def _key(self, m, args, kwargs):
-        if any(module_hooks(s) for s in m.modules()) or _autocast_on():
-            return None, None, None, None
+        """(key, flat tensors, state names, argument spec, step objects) of a call of block
+        ``m``, or (None, why not) + 3 * (None,)."""
+        if any(module_hooks(s) for s in m.modules()):
+            return None, "it has hooks", None, None, None
+        if _autocast_on():
+            return None, "autocast is on", None, None, None
         names = [n for n, _ in m.named_parameters()] + [n for n, _ in m.named_buffers()]
         state = [t for _, t in m.named_parameters()] + [t for _, t in m.named_buffers()]
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if not all(_plain(t) for t in state) or not all(
-                _plain(x) if isinstance(x, torch.Tensor) else type(x) in _PRIMITIVES
-                for x in leaves):
-            return None, None, None, None
+        why = _refused(state, leaves) or next(
+            (f"it is passed the model's {type(x).__name__} (an object that outlives the step)"
+             for x in leaves if id(x) in self.held and step_objects.is_step_object(x)), None)
+        if why:
+            return None, why, None, None, None
         flat, slot = list(state), {id(t): k for k, t in enumerate(state)}
-        arg_key = []
+        arg_key, objects = [], []
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 if id(x) not in slot:
                     slot[id(x)] = len(flat)
                     flat.append(x)
                 arg_key.append(("tensor", slot[id(x)]))
-            else:
+            elif type(x) in _PRIMITIVES:
                 arg_key.append((type(x), x))
+            else:
+                arg_key.append(("object", type(x), id(x)))
+                objects.append(x)
         key = (_structure_at_call(m), tuple(s.training for s in m.modules()),
                torch.get_default_dtype(),
                spec, tuple(arg_key), tuple(_tensor_key(t) for t in flat))
-        return key, flat, names, spec
+        return key, flat, names, spec, objects
+
+
+def _refused(state, leaves) -> str | None:
+    """Why a block with parameters and buffers ``state`` called with argument leaves
+    ``leaves`` cannot be copied, or None."""
+    if not all(_plain(t) for t in state):
+        return "its parameters or buffers are not plain tensors"
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if not _plain(x):
+                return f"it is passed a {type(x).__name__}, not a plain tensor"
+        elif type(x) not in _PRIMITIVES and not step_objects.is_step_object(x):
+            return f"it is passed a {type(x).__name__} (neither a tensor, a number nor an object)"
+    return None
+
+
+def _verify(template: "_Template", second: "_Template") -> None:
+    """Copies of ``template``, which read an int attribute that may differ between blocks
+    (``layer_idx``), are made only if a second block with another value recorded the same nodes
+    (torch code reading the int, ``x * self.layer_idx``, would show in them)."""
+    why = second.why_not or _recorded_alike(template, second)
+    template.verified = why is None
+    template.object_state = second.object_state  # (the second block wrote its own entries)
+    if why is not None:
+        template.why_not = template.why_not or why
+        template.reusable = False
+
+
+def _recorded_alike(a: "_Template", b: "_Template") -> str | None:
+    """How block ``b``'s recording differs from ``a``'s (ops, arguments, sizes), or None."""
+    def rows(t):
+        nodes = [n for n in t.fwd_nodes + t.bwd_nodes if not _is_sym(n)]
+        index = {n: ("in", k) for k, n in enumerate(t.input_nodes)}
+        index.update((n, ("grad", k)) for k, n in enumerate(t.grad_nodes))
+        index.update((n, k) for k, n in enumerate(nodes))
+
+        def ref(x):
+            if x in index:
+                return index[x]
+            return ("size", str(x.meta["val"])) if _is_sym(x) else ("node", x)
+
+        return [(n.op, "constant" if n.op == "get_attr" else n.target,
+                 torch.fx.map_arg((n.args, n.kwargs), ref),
+                 str(getattr(n.meta.get("val"), "shape", None))) for n in nodes]
+
+    for row_a, row_b in zip(rows(a), rows(b)):
+        if row_a != row_b:
+            return (f"block {b.path} records {row_b[1]} otherwise than block {a.path} (an int "
+                    f"attribute that differs between them reaches torch code)")
+    return None if len(rows(a)) == len(rows(b)) else \
+        f"block {b.path} records other nodes than block {a.path}"
+
+
+def _listed(paths: list[str]) -> str:
+    shown = ", ".join(paths[:4])
+    return f"block {shown}" if len(paths) == 1 else \
+        f"blocks {shown}" + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
 
 
 def _structure_at_call(m) -> tuple:
@@ -223,16 +398,34 @@ class _BlockReads:
     environ: dict = field(default_factory=dict)
     why_not: str | None = None  # a read that cannot be compared: the block is never copied
 
-    def hold(self, m: torch.nn.Module) -> bool:
-        """Would ``m``'s recording read what the template's read?"""
+    def differs(self, m: torch.nn.Module) -> str | None:
+        """What ``m``'s recording would read otherwise than the template's did, or None."""
+        if self.why_not is not None:
+            return self.why_not
         subs = dict(m.named_modules(remove_duplicate=False))
         inside = {id(s): p for p, s in subs.items()}
-        return (self.why_not is None
-                and all(p in subs and _resolved(subs[p], n, inside) == r
-                        for p, n, r in self.inside)
-                and all(_resolved(o, n, inside) == r for o, n, r in self.outside)
-                and all(fingerprint(_get(mp, k), inside) == r for mp, k, r in self.names)
-                and all(os.environ.get(k, ABSENT_READ) == v for k, v in self.environ.items()))
+        for p, n, r in self.inside:
+            if p not in subs or not _same_read(_resolved(subs[p], n, inside), r):
+                return f"it reads {'.'.join(filter(None, (p, n)))}, which differs"
+        for o, n, r in self.outside:
+            if _resolved(o, n, inside) != r:
+                return f"it reads {n} of a {type(o).__name__}, which differs"
+        for mp, k, r in self.names:
+            if fingerprint(_get(mp, k), inside) != r:
+                return f"it reads the global or closure variable {k or ''}, which differs"
+        for k, v in self.environ.items():
+            if os.environ.get(k, ABSENT_READ) != v:
+                return f"it reads the environment variable {k}, which differs"
+        return None
+
+
+_ANY_INT = ("instance", "any int")  # a read of an int only the step objects' methods used
+
+
+def _same_read(actual: tuple, read: tuple) -> bool:
+    if read == _ANY_INT:
+        return actual[0] == "instance" and actual[1][0] is int
+    return actual == read
 
 
 def _get(mapping, key):
@@ -252,9 +445,12 @@ def _resolved(obj, name: str, inside: dict) -> tuple:
 _WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_ATTR", "DELETE_ATTR"})
 
 
-def _block_reads(m: torch.nn.Module, attrs: list, codes: dict, environ: dict) -> _BlockReads:
+def _block_reads(m: torch.nn.Module, attrs: list, codes: dict, environ: dict,
+                 owners=frozenset(), free=frozenset()) -> _BlockReads:
     """The reads of a block ``m``'s recording: ``attrs`` (reads.AttrRead), the code that ran
-    inside it (code -> globals), the environment variables read."""
+    inside it (code -> globals), the environment variables read. ``owners``: the methods of the
+    step objects it was passed (they may assign attributes); ``free``: (submodule path, name)
+    of the int attributes only those methods used (any int will do for a copy)."""
     inside = {id(s): p for p, s in m.named_modules(remove_duplicate=False)}
     out = _BlockReads(environ=dict(environ))
     for r in attrs:
@@ -265,13 +461,16 @@ def _block_reads(m: torch.nn.Module, attrs: list, codes: dict, environ: dict) ->
             continue
         row = (r.name, _resolved(r.obj, r.name, inside))
         if id(r.obj) in inside:
-            out.inside.append((inside[id(r.obj)], *row))
+            path = inside[id(r.obj)]
+            out.inside.append((path, r.name, _ANY_INT) if (path, r.name) in free else
+                              (path, *row))
         else:
             out.outside.append((r.obj, *row))
     user = {c: g for c, g in codes.items() if is_user_file(c.co_filename)}
     cells = {v for c in user for v in c.co_cellvars}
     for code, g in user.items():
-        if _WRITES.intersection(_opnames(code)):
+        writes = _WRITES - {"STORE_ATTR", "DELETE_ATTR"} if code in owners else _WRITES
+        if writes.intersection(_opnames(code)):
             out.why_not = f"{code.co_qualname} assigns an attribute or a global"
             return out
         for n in code.co_names:
@@ -306,6 +505,10 @@ class _Call:
         self.tracer = get_proxy_mode().tracer
         self.env: dict = {}
         self.inner = None
+        self.caller_trace = ""
+        self.objects: list = []  # the step objects it is passed (spmd_compiler/trace/step_objects.py)
+        self.check_of: "_Template | None" = None  # the template its recording checks
+        self.uniform_objects: str | None = None  # why their state may read otherwise per block
 
     # forward ------------------------------------------------------------------------------
 
@@ -325,16 +528,14 @@ class _Call:
         state = dict(zip(self.names, leaves))
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: alias[id(x)],
                                             (self.args, self.kwargs))
-        seen, codes = self.reuse.reads, {}
-        read_mark = seen.mark()
-        tracer.block_codes, tracer.block_frame = codes, sys._getframe()
-        try:
-            with torch.enable_grad(), _reparametrize_module(self.m, state, strict=False):
-                out = self.forward(*args, **kwargs)
-        finally:
-            tracer.block_codes = tracer.block_frame = None
-        codes = expanded({**codes, **seen.readers(read_mark)})
-        reads = _block_reads(self.m, seen.since(read_mark), codes, seen.environ)
+        self.args = self.kwargs = None  # (the step objects among them must not outlive it)
+        objects = step_objects.reachable(self.objects)
+        owners = step_objects.method_codes(objects) if objects else frozenset()
+        with step_objects.tracked_ints(self.m, owners) if objects else \
+                contextlib.nullcontext({}) as tracked:
+            out, reads_of = self._run(args, kwargs, state)
+            free = {k for k, v in tracked.items() if not v.used_outside}
+        reads = reads_of(owners, free)
         out_leaves, out_spec = pytree.tree_flatten(out)
         fwd_nodes = []
         node = mark.next
@@ -342,37 +543,75 @@ class _Call:
             fwd_nodes.append(node)
             node = node.next
         outs = [o for o in out_leaves if isinstance(o, torch.Tensor)]
-        t = _Template(self.path, [proxy_node(x, tracer) for x in flat], fwd_nodes, set(),
+        t = _Template(self.path, self.caller_trace, [proxy_node(x, tracer) for x in flat],
+                      fwd_nodes, set(),
                       [proxy_node(o, tracer) for o in outs], out_spec,
                       [_TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves],
                       [o.requires_grad for o in outs], reads)
-        t.reusable = self._checked_forward(t, outs, out_leaves) and reads.why_not is None
+        t.why_not = self._checked_forward(t, outs, out_leaves) or reads.why_not or (
+            self.uniform_objects if self.objects else None)
+        t.object_state = self.reuse._objects_state(self.objects) if self.objects else ()
+        t.reusable = t.why_not is None
         if t.reusable:
             self._record_backward(t, leaves, outs)
-        if self.key not in self.reuse.templates:
+        if self.reuse._template(self.key, flat) is None:
             self.reuse.templates[self.key] = t
+        t.verified = not any(r is _ANY_INT for _, _, r in reads.inside)
+        if self.check_of:
+            _verify(self.check_of, t)
         self.template = t
         self.inner = (leaves, outs)  # a block that cannot be copied: its own backward
         self.env = {n: n for n in t.input_nodes + t.fwd_nodes}
         return self._outputs(t)
 
-    def _checked_forward(self, t: _Template, outs, out_leaves) -> bool:
+    def _run(self, args, kwargs, state):
+        """The block's forward run and recorded; (its output, a function of (owners, free)
+        giving what it read, see ``_block_reads``)."""
+        tracer, seen, codes = self.tracer, self.reuse.reads, {}
+        read_mark = seen.mark()
+        if self.objects:
+            with self.reuse.watch.pause():
+                objects = step_objects.reachable(self.objects)
+                self.uniform_objects = step_objects.uniform(objects, self.reuse.written)
+                before = step_objects.entries(objects)
+        tracer.block_codes, tracer.block_frame = codes, sys._getframe()
+        try:
+            with torch.enable_grad(), _reparametrize_module(self.m, state, strict=False):
+                out = self.forward(*args, **kwargs)
+        finally:
+            tracer.block_codes = tracer.block_frame = None
+        if self.objects:
+            with self.reuse.watch.pause():
+                self.reuse.written |= step_objects.written(
+                    before, step_objects.entries(step_objects.reachable(self.objects)))
+        attrs, environ = seen.since(read_mark), seen.environ
+
+        def reads_of(owners, free):
+            every = expanded({**codes, **seen.readers(read_mark)})
+            return _block_reads(self.m, attrs, every, environ, owners, free)
+
+        return out, reads_of
+
+    def _checked_forward(self, t: _Template, outs, out_leaves) -> str | None:
+        """Why the forward recorded in ``t`` cannot be copied, or None."""
         inside = set(t.fwd_nodes) | set(t.input_nodes)
         if not all(type(o) in _PRIMITIVES for o in out_leaves if not isinstance(o, torch.Tensor)):
-            return False
+            return "it returns something other than tensors and numbers"
         if not all(n in set(t.fwd_nodes) for n in t.out_nodes) or len(set(t.out_nodes)) != len(outs):
-            return False
+            return "it returns a tensor it did not make, or one tensor twice"
         if any(not _plain(o) for o in outs):
-            return False
+            return "it returns a tensor that is not plain"
         for n in t.fwd_nodes:
-            if n.op != "call_function" or _writes_input(n, t.input_nodes):
-                return False
-            deps = n.all_input_nodes
-            if not all(a in inside or _outside_ok(a) for a in deps):
-                return False
+            if n.op != "call_function" and not _constant(n):
+                return f"its recording holds a {n.op} node"
+            if _writes_input(n, t.input_nodes):
+                return f"it updates an input in place ({n.target})"
             if n.target in _SIZE_OF and n.args[0] not in inside:
                 t.shared.add(n)  # a size of a tensor from before the block: made once
-        return True
+            elif not all(a in inside or _outside_ok(a) for a in n.all_input_nodes):
+                return (f"it uses a tensor it was not passed ({n.target}), e.g. one stored in "
+                        f"an object or a global")
+        return None
 
     def _record_backward(self, t: _Template, leaves, outs) -> None:
         tracer = self.tracer
@@ -401,6 +640,7 @@ class _Call:
             elif n.op != "call_function" or _writes_input(n, t.input_nodes) or not all(
                     a in inside or _outside_ok(a) for a in n.all_input_nodes):
                 t.reusable = False
+                t.why_not = t.why_not or f"its backward uses a tensor from outside it ({n.target})"
         t.dead = _dead_sizes(t)
         for n in scratch.nodes:  # the step's nodes do not list scratch nodes among their users
             for a in n.all_input_nodes:
@@ -419,7 +659,12 @@ class _Call:
 
     def _copy(self, graph, n, env, stacks, stack_trace=None, module_stack=None):
         args, kwargs = torch.fx.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
-        new = graph.create_node(n.op, n.target, args, kwargs)
+        target = n.target
+        if n.op == "get_attr":  # a tensor the block made from Python data: its own, as recorded
+            root = self.tracer.root
+            target = self.tracer.get_fresh_qualname(n.target.rstrip("0123456789"))
+            setattr(root, target, getattr(root, n.target))
+        new = graph.create_node(n.op, target, args, kwargs)
         new.meta = dict(n.meta)
         new.meta.pop("REGION", None)
         new.meta.pop("region", None)
@@ -428,12 +673,24 @@ class _Call:
             new.meta.pop("nn_module_stack", None)
             if module_stack:
                 new.meta["nn_module_stack"] = dict(module_stack)
-        elif "nn_module_stack" in n.meta:
-            stack = n.meta["nn_module_stack"]
-            if id(stack) not in stacks:
-                stacks[id(stack)] = self._moved_stack(stack)
-            new.meta["nn_module_stack"] = stacks[id(stack)]
+        else:
+            if "nn_module_stack" in n.meta:
+                stack = n.meta["nn_module_stack"]
+                if id(stack) not in stacks:
+                    stacks[id(stack)] = self._moved_stack(stack)
+                new.meta["nn_module_stack"] = stacks[id(stack)]
+            if self.caller_trace != self.template.caller_trace and n.meta.get("stack_trace"):
+                new.meta["stack_trace"] = self._moved_trace(n.meta["stack_trace"])
         return new
+
+    def _moved_trace(self, trace: str) -> str:
+        """A template node's stack trace with its call's frames replaced by this call's (a
+        block called from another line than its template's)."""
+        old, new = self.template.caller_trace, self.caller_trace
+        if not trace.startswith(old):
+            return trace
+        rest = trace[len(old):].lstrip("\n")
+        return "\n".join(p for p in (new, rest) if p)
 
     def _moved_stack(self, stack: dict) -> dict:
         old, new = self.template.path, self.path
@@ -471,8 +728,11 @@ class _Call:
                                            allow_unused=True) if pairs and wrt else [None] * len(wrt))
             return [next(got) if leaf.requires_grad else None for leaf in leaves]
         used = [g for g, d in zip(grads, t.differentiable) if d]
+        env = _shape_env_of([g for g in used if g is not None] + [
+            n.meta["val"] for n in t.grad_nodes])
         if any(g is not None for g, d in zip(grads, t.differentiable) if not d) or any(
-                g is None or _tensor_key(g)[:1] + _tensor_key(g)[3:] != k
+                g is None or _specialized(k, env) or _replaced(
+                    _tensor_key(g)[:1] + _tensor_key(g)[3:], env) != _replaced(k, env)
                 for g, k in zip(used, t.grad_keys)):
             raise BlockMismatch(f"the gradients reaching block {self.path} differ from its "
                                 f"template's")
@@ -519,6 +779,11 @@ def _dead_sizes(t: _Template) -> set:
     return dead
 
 
+def _constant(n) -> bool:
+    """A tensor constant (``torch.tensor([])`` in a block): a copy gets its own name for it."""
+    return n.op == "get_attr" and n.target.startswith("_tensor_constant")
+
+
 def _outside_ok(a) -> bool:
     """A node from before the block that a copy may use as it is: a size or a constant."""
     return a.op == "get_attr" or _is_sym(a)
@@ -543,6 +808,8 @@ class _BlockCall(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.call = call
         outs = call.run_forward(flat)
+        call.args = call.kwargs = None  # (the step objects among them must not outlive it)
+        call.objects = ()
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, call.template.differentiable)
                                       if not d))
         return tuple(outs)

@@ -16,6 +16,7 @@ step created (when the optimizer had none yet).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import traceback
 from collections import defaultdict
@@ -77,6 +78,8 @@ from ..runtime.call_args import (LIFTED_HPARAMS, StepArgs, group_input_values, g
 from ..runtime.step_modules import modules_of
 from . import block_reuse
 from .reads import Reads, watching as watch_reads
+
+_log = logging.getLogger("spmd_compiler")
 
 
 # Optimizers whose ``fused=True`` implementation computes the same update as their default and
@@ -201,14 +204,24 @@ def record(fn: Callable, module: torch.nn.Module, codes: dict | None = None,
     """``make_fx(fn, tracing_mode="symbolic")`` whose nodes carry the user's source lines and
     the path of the submodule of ``module`` they were recorded in. Adds to ``codes`` every code
     Python file with code on the stack of a recorded node."""
-    recorder = StepRecorder(module, block_reuse.for_recording(module, seen))
+    blocks = block_reuse.for_recording(module, seen)
+    recorder = StepRecorder(module, blocks)
 
     def run(*args):
         try:
-            return recorder.trace(fn, *args)
+            gm = recorder.trace(fn, *args)
+        except Exception as e:
+            if blocks is not None and blocks.watch.read is not None:
+                raise blocks.mismatch() from e  # it failed on what a copy did not write
+            raise
         finally:
             if codes is not None and recorder.last_tracer is not None:
                 codes.update(recorder.last_tracer.code_seen)
+            if blocks is not None:
+                blocks.watch.stop()
+        if blocks is not None:
+            blocks.finish()
+        return gm
 
     return run
 
@@ -258,7 +271,8 @@ def trace_step(
         try:
             traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation,
                                   lift, shard)
-        except block_reuse.BlockMismatch:  # a repeated block's copy does not fit: record all
+        except block_reuse.BlockMismatch as e:  # a repeated block's copy does not fit: record all
+            _log.info("spmd_compiler: block reuse: the step is recorded again without it: %s", e)
             with block_reuse.reuse_off():
                 traced = _record_step(fn, sa, fuse_optimizer, dynamic, mp_policy, accumulation,
                                       lift, shard)
