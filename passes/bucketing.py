@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from . import meta
-from .collectives import aten, c10d
+from .collectives import aten, c10d, replace_inputs
 from .subgraph import insert_traced, tensor_bytes
 
 MB = 2**20
@@ -284,16 +284,25 @@ def _bucket_plan_all_reduces(graph: fx.Graph, cap: int, first_cap: int, index: i
 
 def _flat(sources: list, shapes: list, dim: int):
     """The sources reshaped to ``shapes`` and concatenated along ``dim``."""
-    return aten.cat.default([aten.reshape.default(x, shape) for x, shape in zip(sources, shapes)], dim)
+    return aten.cat.default([_shaped(x, shape, aten.reshape.default)
+                             for x, shape in zip(sources, shapes)], dim)
 
 
 def _pieces(flat, dim: int, sizes: list[int], shapes: list, reshape) -> list:
     """``flat`` cut along ``dim`` into ``sizes``, each shaped to its ``shapes`` entry."""
     out, offset = [], 0
     for n, shape in zip(sizes, shapes):
-        out.append(reshape(aten.slice.Tensor(flat, dim, offset, offset + n), shape))
+        out.append(_shaped(aten.slice.Tensor(flat, dim, offset, offset + n), shape, reshape))
         offset += n
     return out
+
+
+def _shaped(x, shape: list, reshape):
+    """``reshape(x, shape)``, or ``x`` when it has that shape already (a bias, a norm's weight):
+    the lowering drops such an identity view anyway (passes/identity_views.py), and each op
+    inserted here costs a fake-tensor op per parameter."""
+    same = list(x.shape) == list(shape) or (list(shape) == [-1] and x.dim() == 1)
+    return x if same else reshape(x, shape)
 
 
 def _all_reduce_bucket(sources, world, group, sizes, shapes):
@@ -337,12 +346,16 @@ def _replace_members(graph, bucket: list[_Member], new: list[fx.Node], keys=None
     """Each member's wait replaced by its piece, which keeps the wait's region and its meta
     ``keys`` (None: all but its value, role and collective); the member's collective and
     division erased."""
+    swaps: dict[fx.Node, dict[fx.Node, fx.Node]] = {}
     for m, piece in zip(bucket, new):
         piece.meta[meta.REGION] = m.wait.meta.get(meta.REGION)
         if keys is None:
             _inherit_meta(piece, m.wait)
         piece.meta.update({k: m.wait.meta[k] for k in keys or () if k in m.wait.meta})
-        m.wait.replace_all_uses_with(piece)
+        for user in m.wait.users:
+            swaps.setdefault(user, {})[m.wait] = piece
+    replace_inputs(swaps)
+    for m in bucket:
         graph.erase_node(m.wait)
         graph.erase_node(m.issue)
         if m.scale is not None and not m.scale.users:

@@ -68,7 +68,7 @@ def insert_traced(graph: fx.Graph, fn: Callable[..., Any], args: tuple, *, befor
     env: dict[fx.Node, Any] = dict(zip(sub.find_nodes(op="placeholder"), nodes))
     values: dict[fx.Node, Any] = dict(zip(sub.find_nodes(op="placeholder"), vals))
     result = None
-    with graph.inserting_before(before):
+    with graph.inserting_before(before), fake_mode, torch.no_grad():  # (entered once: costly)
         for n in sub.nodes:
             if n.op == "output":
                 result = fx.node.map_arg(n.args[0], env.__getitem__)
@@ -77,7 +77,7 @@ def insert_traced(graph: fx.Graph, fn: Callable[..., Any], args: tuple, *, befor
                 values[n] = values[n.args[0]]
             elif n.op == "call_function":
                 env[n] = new = graph.node_copy(n, env.__getitem__)
-                values[n] = n.meta["val"] if fresh else _run(n, values, fake_mode)
+                values[n] = n.meta["val"] if fresh else _rerun(n, values)
                 new.meta = {"val": values[n]}
                 _tag(new, region, collective, extra)
     return result
@@ -239,16 +239,33 @@ def _replayable(node: fx.Node) -> bool:
         getattr(node.target, "__module__", None) in ("_operator", "operator")
 
 
-def _run(node: fx.Node, values: dict, fake_mode):
-    """``node``'s op run on its arguments' values in ``fake_mode`` without autograd: a new value
-    of its own, as make_fx records it (no two nodes share one fake tensor; a result that is
-    one of the arguments is detached)."""
+# functional collectives: each returns a new tensor whose metadata its meta function derives
+# from its arguments' metadata alone (``new_empty`` / ``empty_like``)
+_NEW_TENSOR_OPS = {getattr(torch.ops._c10d_functional, name).default for name in (
+    "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor", "broadcast")}
+
+
+def _rerun(node: fx.Node, values: dict):
+    """The value of a cached recording's ``node`` on the new arguments ``values`` (in the
+    caller's fake mode): a functional collective's with static metadata is a new tensor like
+    its recorded one (equal arguments' metadata: an equal result, at a fraction of the
+    collective's fake dispatch), any other op's is what ``_run`` computes."""
+    recorded = node.meta["val"]
+    if node.target in _NEW_TENSOR_OPS and isinstance(recorded, torch.Tensor) and all(
+            type(d) is int for d in (*recorded.shape, *recorded.stride(), recorded.storage_offset())):
+        return torch.empty_strided(recorded.shape, recorded.stride(), dtype=recorded.dtype,
+                                   device=recorded.device)
+    return _run(node, values)
+
+
+def _run(node: fx.Node, values: dict):
+    """``node``'s op run on its arguments' values (in the caller's fake mode, without
+    autograd): a new value of its own, as make_fx records it (no two nodes share one fake
+    tensor; a result that is one of the arguments is detached)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
     given = {id(v) for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)}
-    with fake_mode, torch.no_grad():
-        out = node.target(*args, **kwargs)
-        return pytree.tree_map_only(
-            torch.Tensor, lambda t: t.detach() if id(t) in given else t, out)
+    out = node.target(*args, **kwargs)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach() if id(t) in given else t, out)
 
 
 def _tensor_key(v: torch.Tensor) -> tuple:

@@ -333,6 +333,8 @@ def test_recompute_with_full_budget_changes_nothing():
 
 
 def test_insert_traced_reuses_a_recording_with_fresh_values(monkeypatch):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     from spmd_compiler.passes import subgraph
 
     recorded = []
@@ -371,7 +373,11 @@ def test_insert_traced_reuses_a_recording_with_fresh_values(monkeypatch):
     for old, new in zip(first, again):  # a value of its own, as its op computed it, same mode
         assert new.meta["val"] is not old.meta["val"]
         assert new.meta["val"].fake_mode is mode
-        assert (new.meta["val"].shape, new.meta["val"].dtype) == (old.meta["val"].shape, old.meta["val"].dtype)
+        assert (new.meta["val"].shape, new.meta["val"].stride(), new.meta["val"].dtype) == \
+            (old.meta["val"].shape, old.meta["val"].stride(), old.meta["val"].dtype)
+    issue, wait = again[2:]  # a collective's value is a new tensor, as its meta function gives
+    storages = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in (issue.args[0], issue, wait)}
+    assert len(storages) == 3
     vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
     assert len({id(v) for v in vals}) == len(vals)
     assert insert(xs[2], 2)[1]  # another shape: recorded
