@@ -284,8 +284,7 @@ def _bucket_plan_all_reduces(graph: fx.Graph, cap: int, first_cap: int, index: i
 
 def _flat(sources: list, shapes: list, dim: int):
     """The sources reshaped to ``shapes`` and concatenated along ``dim``."""
-    return aten.cat.default([_shaped(x, shape, aten.reshape.default)
-                             for x, shape in zip(sources, shapes)], dim)
+    return aten.cat.default([aten.reshape.default(x, shape) for x, shape in zip(sources, shapes)], dim)
 
 
 def _pieces(flat, dim: int, sizes: list[int], shapes: list, reshape) -> list:
@@ -297,12 +296,13 @@ def _pieces(flat, dim: int, sizes: list[int], shapes: list, reshape) -> list:
     return out
 
 
-def _shaped(x, shape: list, reshape):
-    """``reshape(x, shape)``, or ``x`` when it has that shape already (a bias, a norm's weight):
-    the lowering drops such an identity view anyway (passes/identity_views.py), and each op
-    inserted here costs a fake-tensor op per parameter."""
-    same = list(x.shape) == list(shape) or (list(shape) == [-1] and x.dim() == 1)
-    return x if same else reshape(x, shape)
+def _shaped(piece, shape: list, reshape):
+    """``reshape(piece, shape)``, or ``piece`` when it has that shape already (a bias's, a norm
+    weight's): the lowering drops such an identity view anyway (passes/identity_views.py), and
+    each op inserted here costs a fake-tensor op per parameter. (A member's flattening
+    ``reshape`` stays: the eager lowering produces the gradient into the bucket through it,
+    passes/inplace.py.)"""
+    return piece if list(piece.shape) == list(shape) else reshape(piece, shape)
 
 
 def _all_reduce_bucket(sources, world, group, sizes, shapes):
@@ -419,7 +419,8 @@ def _merge_chained_all_reduces(graph: fx.Graph, flat: fx.Node, pieces: list[fx.N
         collective=dict(kind="all_reduce", params=[p for issue, _ in chained for p in node_params(issue)]),
         **{meta.BUCKET: index})
     for piece, (issue, wait) in zip(pieces, chained):
-        piece.args[0].replace_input_with(flat, done)  # its slice reads the all-reduced bucket
+        cut = piece if piece.target is aten.slice.Tensor else piece.args[0]  # (or a view of it)
+        cut.replace_input_with(flat, done)  # its slice reads the all-reduced bucket
         for key, value in wait.meta.items():
             if key not in ("val", meta.ROLE, meta.COLLECTIVE):
                 piece.meta[key] = value
