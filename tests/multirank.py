@@ -232,7 +232,13 @@ def _worker_main(
 
     dump_file = open(stack_dump_path, "w")  # kept open for the life of the worker
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
-    faulthandler.enable(all_threads=True)  # a fatal signal (abort, segfault) prints every stack
+    # The worker's standard error goes to a file the test process reads when the worker dies: a
+    # C++ abort's message ("terminate called after ...") and faulthandler's stacks of a fatal
+    # signal (abort, segfault) are then part of the WorkerDied error, not lost in a capture.
+    sys.stderr.flush()
+    err = os.open(_stderr_path(stack_dump_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(err, 2)
+    faulthandler.enable(all_threads=True)
     threading.Thread(target=_watch_test_process, args=(test_pid,), daemon=True).start()
 
     if os.path.exists("/sys/class/net/lo"):
@@ -301,6 +307,31 @@ def _worker_main(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)
+
+
+def _stderr_path(stack_dump_path: str) -> str:
+    return stack_dump_path + ".stderr"
+
+
+def _tail(path: str, start: int, limit: int = 6000) -> str:
+    """What was written to ``path`` after byte ``start``, at most its last ``limit`` bytes."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, os.path.getsize(path) - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _labelled(label: str, text: str) -> str:
+    return f"\n--- {label}:\n{text.rstrip()}" if text.strip() else ""
 
 
 def _type_name(e: BaseException) -> str:
@@ -606,6 +637,7 @@ class WorkerPool:
         __tracebackhide__ = True
         ws = self.world_size
         dead: dict[int, int | None] = {}
+        stderr_at = [_size(_stderr_path(p)) for p in self._dump_paths]
         for r, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(job)
@@ -638,6 +670,8 @@ class WorkerPool:
         )
         dead_text = "".join(
             f"\nrank {r} (worker process) exited: {_describe_exit(c)}"
+            + _labelled(f"its standard error during {name}",
+                        _tail(_stderr_path(self._dump_paths[r]), stderr_at[r]))
             for r, c in sorted(dead.items())
         )
 

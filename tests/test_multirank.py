@@ -7,6 +7,7 @@ module level so the workers can import them by name.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -70,6 +71,14 @@ def _job_exit_on_rank1(code):
     if dist.get_rank() == 1:
         os._exit(code)
     dist.barrier()  # rank 0 waits for the dead rank
+    return dist.get_rank()
+
+
+def _job_abort_on_rank1(note):
+    if dist.get_rank() == 1:
+        print(note, file=sys.stderr, flush=True)
+        os.abort()
+    dist.barrier()
     return dist.get_rank()
 
 
@@ -189,6 +198,17 @@ def test_worker_exit_is_reported_with_exit_code(pool2):
     assert "_job_exit_on_rank1" in text
     assert info.value.exitcodes == {1: 3}
     assert time.monotonic() - t0 < pool2.error_grace + 10
+    assert pool2.run(_job_all_reduce_sum, 0)[1][2] == 1.0
+
+
+def test_worker_abort_reports_its_standard_error_and_stacks(pool2):
+    """A rank killed by a fatal signal: what it wrote to its standard error during the job (a C++
+    abort's message goes there) and faulthandler's Python stack of the abort are in the error."""
+    with pytest.raises(WorkerDied) as info:
+        pool2.run(_job_abort_on_rank1, "about to abort: gloo size mismatch", timeout=60)
+    text = str(info.value)
+    assert "SIGABRT" in text and "about to abort: gloo size mismatch" in text, text
+    assert "Fatal Python error: Aborted" in text and "_job_abort_on_rank1" in text, text
     assert pool2.run(_job_all_reduce_sum, 0)[1][2] == 1.0
 
 
