@@ -1,7 +1,9 @@
 """Replacement subgraphs traced, not hand-built: a pass writes what it inserts as a plain Python
-function of tensors, and ``insert_traced`` records it with ``make_fx`` on the argument nodes'
-fake values (in the graph's own fake mode and ShapeEnv) and inlines the recorded ops before a
-node, as Inductor's bucketing does (torch/_inductor/fx_passes/bucketing.py). The recording is
+function of tensors, and ``insert_traced`` records it on the argument nodes' fake values (in the
+graph's own fake mode and ShapeEnv) and inlines the recorded ops before a node, as Inductor's
+bucketing does (torch/_inductor/fx_passes/bucketing.py). A function that calls plain operators
+only is recorded by a light TorchFunctionMode (the graph make_fx gives, at a fraction of its
+time per op); anything else by ``make_fx``. The recording is
 pre-dispatch: each op as the function calls it (a ``reshape`` is not decomposed into the view
 or copy it does; the memory planner knows it as an alias of its input). Every inserted
 node's ``val`` is what its op computed; the pass gives the meta only it knows (REGION, the
@@ -12,7 +14,9 @@ function's code with its closure's and defaults' values, the constants among the
 each tensor argument's metadata (shape and stride with their symbolic expressions, dtype,
 device, layout, ``requires_grad``) and the grad mode. The many gradients of one shape share one
 recording: a hit copies the cached nodes and runs each op on the new arguments' values in the
-fake mode, so every inserted node still holds its own value as its op computed it. A function
+fake mode, so every inserted node still holds its own value as its op computed it (a functional
+collective's: a new tensor of its recorded metadata, which its meta function derives from the
+arguments' metadata alone). A function
 whose key cannot be formed from plain values (a closure holding a tensor or a node, ...) is
 recorded every time.
 """
