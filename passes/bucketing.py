@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from . import meta
-from .collectives import aten, c10d
+from .collectives import aten, c10d, replace_inputs
 from .subgraph import insert_traced, tensor_bytes
 
 MB = 2**20
@@ -291,9 +291,18 @@ def _pieces(flat, dim: int, sizes: list[int], shapes: list, reshape) -> list:
     """``flat`` cut along ``dim`` into ``sizes``, each shaped to its ``shapes`` entry."""
     out, offset = [], 0
     for n, shape in zip(sizes, shapes):
-        out.append(reshape(aten.slice.Tensor(flat, dim, offset, offset + n), shape))
+        out.append(_shaped(aten.slice.Tensor(flat, dim, offset, offset + n), shape, reshape))
         offset += n
     return out
+
+
+def _shaped(piece, shape: list, reshape):
+    """``reshape(piece, shape)``, or ``piece`` when it has that shape already (a bias's, a norm
+    weight's): the lowering drops such an identity view anyway (passes/identity_views.py), and
+    each op inserted here costs a fake-tensor op per parameter. (A member's flattening
+    ``reshape`` stays: the eager lowering produces the gradient into the bucket through it,
+    passes/inplace.py.)"""
+    return piece if list(piece.shape) == list(shape) else reshape(piece, shape)
 
 
 def _all_reduce_bucket(sources, world, group, sizes, shapes):
@@ -337,12 +346,16 @@ def _replace_members(graph, bucket: list[_Member], new: list[fx.Node], keys=None
     """Each member's wait replaced by its piece, which keeps the wait's region and its meta
     ``keys`` (None: all but its value, role and collective); the member's collective and
     division erased."""
+    swaps: dict[fx.Node, dict[fx.Node, fx.Node]] = {}
     for m, piece in zip(bucket, new):
         piece.meta[meta.REGION] = m.wait.meta.get(meta.REGION)
         if keys is None:
             _inherit_meta(piece, m.wait)
         piece.meta.update({k: m.wait.meta[k] for k in keys or () if k in m.wait.meta})
-        m.wait.replace_all_uses_with(piece)
+        for user in m.wait.users:
+            swaps.setdefault(user, {})[m.wait] = piece
+    replace_inputs(swaps)
+    for m in bucket:
         graph.erase_node(m.wait)
         graph.erase_node(m.issue)
         if m.scale is not None and not m.scale.users:
@@ -406,7 +419,8 @@ def _merge_chained_all_reduces(graph: fx.Graph, flat: fx.Node, pieces: list[fx.N
         collective=dict(kind="all_reduce", params=[p for issue, _ in chained for p in node_params(issue)]),
         **{meta.BUCKET: index})
     for piece, (issue, wait) in zip(pieces, chained):
-        piece.args[0].replace_input_with(flat, done)  # its slice reads the all-reduced bucket
+        cut = piece if piece.target is aten.slice.Tensor else piece.args[0]  # (or a view of it)
+        cut.replace_input_with(flat, done)  # its slice reads the all-reduced bucket
         for key, value in wait.meta.items():
             if key not in ("val", meta.ROLE, meta.COLLECTIVE):
                 piece.meta[key] = value

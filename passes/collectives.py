@@ -57,6 +57,14 @@ def finish_reduction(graph: fx.Graph, reduced: fx.Node, users: list[fx.Node], *,
                          region=reduced.meta.get(meta.REGION))
 
 
+def replace_inputs(swaps: dict[fx.Node, dict[fx.Node, fx.Node]]) -> None:
+    """Each node of ``swaps`` ({user: {old: new}}) reads ``new`` wherever it read ``old``, its
+    arguments rewritten once: one ``replace_input_with`` per gradient would rebuild the fused
+    optimizer's argument lists (every parameter's) once per parameter."""
+    for user, swap in swaps.items():
+        user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), lambda a: swap.get(a, a))
+
+
 def joined(tensor: torch.Tensor, *waited: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself: a graph node that reads ``waited`` (the waits of collectives writing
     into ``tensor``) so that its users run after all of them."""

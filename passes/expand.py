@@ -28,7 +28,8 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from . import meta
 from .subgraph import insert_traced
 from .collectives import (
-    aten, c10d, carries_gradient_on, collective_meta, finish_reduction, mutates, to_dtype, waited,
+    aten, c10d, carries_gradient_on, collective_meta, finish_reduction, mutates, replace_inputs,
+    to_dtype, waited,
 )
 from .fully_shard import (
     ShardingError,
@@ -151,6 +152,7 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
     reduced = [g for g in grads if reduce_unread or g.users]
     if not reduce_unread:
         _drop_unread_accumulations([last[f] for f in last if last[f] not in reduced])
+    swaps: dict[fx.Node, dict[fx.Node, fx.Node]] = {}
     for grad in reduced:
         fqn = grad.meta[meta.PARAM_FQN]
         users = list(grad.users) if last[fqn] is grad else _readers(
@@ -188,7 +190,8 @@ def _reduce_gradients(graph: fx.Graph, layout: Sequence[MeshDim], sharded: set[s
         if last[fqn] is grad:
             x.meta[meta.SYNCED_GRAD] = fqn
         for u in users:
-            u.replace_input_with(grad, x)
+            swaps.setdefault(u, {})[grad] = x
+    replace_inputs(swaps)
 
 
 def _drop_unread_accumulations(grads: list[fx.Node]) -> None:

@@ -49,7 +49,13 @@ def shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
     return val.new_empty(shape)
 
 
-def _first(nodes, order):
+def _first(nodes, order: dict, graph: fx.Graph):
+    """The earliest of ``nodes`` by ``order`` (node -> position; renumbered from ``graph`` in
+    place when a node is missing: one inserted since)."""
+    nodes = list(nodes)
+    if any(n not in order for n in nodes):
+        order.clear()
+        order.update((n, i) for i, n in enumerate(graph.nodes))
     return min(nodes, key=order.__getitem__)
 
 
@@ -132,7 +138,7 @@ def shard_parameters(gm: fx.GraphModule, *, group_name: str, world_size: int,
     for fqn, (param, full_val) in params.items():
         for compute in _uses_between_updates(param, order):
             _gather_uses(graph, param, full_val, compute, world, group_name, reshard_after_forward,
-                         fqn)
+                         fqn, order)
 
     return {**params, **gathered}
 
@@ -152,13 +158,13 @@ def _uses_between_updates(param: fx.Node, order: dict) -> list[list[fx.Node]]:
 
 
 def _gather_uses(graph: fx.Graph, param: fx.Node, full_val, compute: list[fx.Node], world: int,
-                 group_name: str, reshard_after_forward: bool, fqn: str) -> None:
+                 group_name: str, reshard_after_forward: bool, fqn: str, order: dict) -> None:
     """Gather ``param`` for the uses ``compute`` (all reading one value of it): before the first
     forward use, and with ``reshard_after_forward`` again before the first backward use of what
-    the forward derived from it by views and casts."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    the forward derived from it by views and casts. ``order``: positions of the graph's nodes
+    (nodes inserted since keep their relative order, so it stays valid for the nodes it has)."""
     forward = [u for u in compute if u.meta.get(meta.REGION) == meta.Region.FORWARD]
-    first = _first(forward or compute, order)
+    first = _first(forward or compute, order, graph)
     cast = _sole_cast(compute)
     if cast is not None:
         full_val = cast.meta["val"]
@@ -181,8 +187,7 @@ def _gather_uses(graph: fx.Graph, param: fx.Node, full_val, compute: list[fx.Nod
     }
     if not backward_users:
         return
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first_bwd = _first(backward_users, order)
+    first_bwd = _first(backward_users, order, graph)
     again = {full: _gather(graph, param, full_val, world, group_name, first_bwd,
                            meta.Region.BACKWARD, fqn)}
     with graph.inserting_before(first_bwd):

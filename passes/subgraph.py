@@ -1,7 +1,9 @@
 """Replacement subgraphs traced, not hand-built: a pass writes what it inserts as a plain Python
-function of tensors, and ``insert_traced`` records it with ``make_fx`` on the argument nodes'
-fake values (in the graph's own fake mode and ShapeEnv) and inlines the recorded ops before a
-node, as Inductor's bucketing does (torch/_inductor/fx_passes/bucketing.py). The recording is
+function of tensors, and ``insert_traced`` records it on the argument nodes' fake values (in the
+graph's own fake mode and ShapeEnv) and inlines the recorded ops before a node, as Inductor's
+bucketing does (torch/_inductor/fx_passes/bucketing.py). A function that calls plain operators
+only is recorded by a light TorchFunctionMode (the graph make_fx gives, at a fraction of its
+time per op); anything else by ``make_fx``. The recording is
 pre-dispatch: each op as the function calls it (a ``reshape`` is not decomposed into the view
 or copy it does; the memory planner knows it as an alias of its input). Every inserted
 node's ``val`` is what its op computed; the pass gives the meta only it knows (REGION, the
@@ -12,7 +14,9 @@ function's code with its closure's and defaults' values, the constants among the
 each tensor argument's metadata (shape and stride with their symbolic expressions, dtype,
 device, layout, ``requires_grad``) and the grad mode. The many gradients of one shape share one
 recording: a hit copies the cached nodes and runs each op on the new arguments' values in the
-fake mode, so every inserted node still holds its own value as its op computed it. A function
+fake mode, so every inserted node still holds its own value as its op computed it (a functional
+collective's: a new tensor of its recorded metadata, which its meta function derives from the
+arguments' metadata alone). A function
 whose key cannot be formed from plain values (a closure holding a tensor or a node, ...) is
 recorded every time.
 """
@@ -30,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 
 from spmd_compiler.torch_internals import FakeTensor, FakeTensorMode, OpOverload, pytree
 
@@ -67,7 +72,7 @@ def insert_traced(graph: fx.Graph, fn: Callable[..., Any], args: tuple, *, befor
     env: dict[fx.Node, Any] = dict(zip(sub.find_nodes(op="placeholder"), nodes))
     values: dict[fx.Node, Any] = dict(zip(sub.find_nodes(op="placeholder"), vals))
     result = None
-    with graph.inserting_before(before):
+    with graph.inserting_before(before), fake_mode, torch.no_grad():  # (entered once: costly)
         for n in sub.nodes:
             if n.op == "output":
                 result = fx.node.map_arg(n.args[0], env.__getitem__)
@@ -76,7 +81,7 @@ def insert_traced(graph: fx.Graph, fn: Callable[..., Any], args: tuple, *, befor
                 values[n] = values[n.args[0]]
             elif n.op == "call_function":
                 env[n] = new = graph.node_copy(n, env.__getitem__)
-                values[n] = n.meta["val"] if fresh else _run(n, values, fake_mode)
+                values[n] = n.meta["val"] if fresh else _rerun(n, values)
                 new.meta = {"val": values[n]}
                 _tag(new, region, collective, extra)
     return result
@@ -108,15 +113,120 @@ def _recorded(fn, args, nodes, vals, fake_mode) -> tuple[fx.Graph, bool]:
         env = dict(zip(nodes, tensors))
         return fn(*fx.node.map_arg(args, env.__getitem__))
 
-    with fake_mode:
-        # pre-dispatch: ops as called (``reshape`` stays one node, as the graph's own do)
-        sub = make_fx(traced, pre_dispatch=True)(*vals).graph
+    sub = _record(traced, vals, fake_mode)
     for n in sub.nodes:
         if n.op not in ("placeholder", "call_function", "output"):
             raise TypeError(f"insert_traced: {fn} recorded a {n.op} node ({n.target})")
     if cache is not None and all(_replayable(n) for n in sub.nodes if n.op == "call_function"):
         cache[key] = sub
     return sub, True
+
+
+def _record(fn: Callable, vals: list, fake_mode) -> fx.Graph:
+    """``fn(*vals)`` recorded pre-dispatch (ops as called: ``reshape`` stays one node, as the
+    graph's own do): by ``_OperatorRecorder`` when it calls operators only (a tenth of make_fx's
+    time per op), else by make_fx."""
+    sub = _recorded_by_ops(fn, vals, fake_mode)
+    if sub is None:
+        with fake_mode:
+            sub = make_fx(fn, pre_dispatch=True)(*vals).graph
+    return sub
+
+
+class _Unrecordable(Exception):
+    """A call the operator recorder does not record as make_fx would (make_fx records it)."""
+
+
+# what a function may ask of a tensor besides operators: its metadata, never a tensor
+_METADATA_QUERIES = {"__get__", "dim", "size", "stride", "numel", "element_size",
+                     "storage_offset", "is_contiguous", "nelement", "ndimension"}
+
+
+class _OperatorRecorder(TorchFunctionMode):
+    """Records each operator a function calls on fake tensors as one node, with the arguments
+    normalized as the dispatcher hands them to make_fx (defaults left out, keyword-only ones as
+    keywords) and the op's result (detached) as its value: make_fx's pre-dispatch recording
+    of a function of plain operators, without its proxies. Anything else (a Python-level torch
+    function, an in-place or multi-output op, a symbolic size in an argument) raises
+    ``_Unrecordable``."""
+
+    def __init__(self, graph: fx.Graph, known: dict[int, tuple[torch.Tensor, fx.Node]]):
+        super().__init__()
+        self.graph, self.known = graph, known
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not isinstance(func, OpOverload):
+            if getattr(func, "__name__", None) not in _METADATA_QUERIES:
+                raise _Unrecordable(func)
+            out = func(*args, **kwargs)
+            if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(out)):
+                raise _Unrecordable(func)
+            return out
+        if func._schema.is_mutable or not isinstance(
+                out := func(*args, **kwargs), torch.Tensor) or id(out) in self.known:
+            raise _Unrecordable(func)
+        node_args, node_kwargs = pytree.tree_map(self._arg, _as_dispatched(func, args, kwargs))
+        node = self.graph.create_node("call_function", func, tuple(node_args), node_kwargs,
+                                      name=func.overloadpacket.__name__)  # as make_fx names it
+        node.meta["val"] = out.detach() if out.requires_grad else out  # make_fx's value
+        self.known[id(out)] = (out, node)
+        return out
+
+    def _arg(self, value):
+        if isinstance(value, torch.Tensor):
+            if id(value) not in self.known:
+                raise _Unrecordable("a tensor the function did not get or compute")
+            return self.known[id(value)][1]
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _Unrecordable("a symbolic size")
+        return value
+
+
+def _as_dispatched(op: OpOverload, args: tuple, kwargs: dict) -> tuple[list, dict]:
+    """``op``'s arguments as the dispatcher passes them to Python: positional up to the last
+    one that differs from its default, keyword-only ones (not at their default) as keywords,
+    lists as lists."""
+    positional, keywords, last = [], {}, 0
+    for i, arg in enumerate(op._schema.arguments):
+        given = i < len(args) or arg.name in kwargs
+        value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+        if isinstance(value, tuple) and _is_list(arg.type):
+            value = list(value)
+        default = not given or (arg.has_default_value() and type(value) is type(
+            arg.default_value) and value == arg.default_value)
+        if arg.kwarg_only:
+            if not default:
+                keywords[arg.name] = value
+        else:
+            positional.append(value)
+            last = last if default else len(positional)
+    return positional[:last], keywords
+
+
+def _is_list(kind) -> bool:
+    """Is an argument of schema type ``kind`` a list (or an optional one)?"""
+    if isinstance(kind, torch.OptionalType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.ListType)
+
+
+def _recorded_by_ops(fn: Callable, vals: list, fake_mode) -> fx.Graph | None:
+    """``fn(*vals)`` recorded by ``_OperatorRecorder`` in ``fake_mode``; None when it calls
+    something only make_fx records."""
+    graph = fx.Graph()
+    known = {}
+    for i, v in enumerate(vals):
+        node = graph.placeholder(f"arg{i}")
+        node.meta["val"] = v
+        known[id(v)] = (v, node)
+    try:
+        with fake_mode, _OperatorRecorder(graph, known) as recorder:
+            out = fn(*vals)
+        graph.output(pytree.tree_map(recorder._arg, out))
+    except _Unrecordable:
+        return None
+    return graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +243,33 @@ def _replayable(node: fx.Node) -> bool:
         getattr(node.target, "__module__", None) in ("_operator", "operator")
 
 
-def _run(node: fx.Node, values: dict, fake_mode):
-    """``node``'s op run on its arguments' values in ``fake_mode``: a new value of its own (a
-    tensor result detached, as make_fx records it, so no two nodes share one fake tensor)."""
+# functional collectives: each returns a new tensor whose metadata its meta function derives
+# from its arguments' metadata alone (``new_empty`` / ``empty_like``)
+_NEW_TENSOR_OPS = {getattr(torch.ops._c10d_functional, name).default for name in (
+    "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor", "broadcast")}
+
+
+def _rerun(node: fx.Node, values: dict):
+    """The value of a cached recording's ``node`` on the new arguments ``values`` (in the
+    caller's fake mode): a functional collective's with static metadata is a new tensor like
+    its recorded one (equal arguments' metadata: an equal result, at a fraction of the
+    collective's fake dispatch), any other op's is what ``_run`` computes."""
+    recorded = node.meta["val"]
+    if node.target in _NEW_TENSOR_OPS and isinstance(recorded, torch.Tensor) and all(
+            type(d) is int for d in (*recorded.shape, *recorded.stride(), recorded.storage_offset())):
+        return torch.empty_strided(recorded.shape, recorded.stride(), dtype=recorded.dtype,
+                                   device=recorded.device)
+    return _run(node, values)
+
+
+def _run(node: fx.Node, values: dict):
+    """``node``'s op run on its arguments' values (in the caller's fake mode, without
+    autograd): a new value of its own, as make_fx records it (no two nodes share one fake
+    tensor; a result that is one of the arguments is detached)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
-    with fake_mode:
-        out = node.target(*args, **kwargs)
-        return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+    given = {id(v) for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)}
+    out = node.target(*args, **kwargs)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach() if id(t) in given else t, out)
 
 
 def _tensor_key(v: torch.Tensor) -> tuple:

@@ -335,11 +335,13 @@ def test_recompute_with_full_budget_changes_nothing():
 
 
 def test_insert_traced_reuses_a_recording_with_fresh_values(monkeypatch):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     from spmd_compiler.passes import subgraph
 
     recorded = []
-    make_fx = subgraph.make_fx
-    monkeypatch.setattr(subgraph, "make_fx", lambda *a, **k: recorded.append(1) or make_fx(*a, **k))
+    record = subgraph._record
+    monkeypatch.setattr(subgraph, "_record", lambda *a, **k: recorded.append(1) or record(*a, **k))
     mode = FakeTensorMode()
     graph = fx.Graph()
     xs = []
@@ -373,13 +375,76 @@ def test_insert_traced_reuses_a_recording_with_fresh_values(monkeypatch):
     for old, new in zip(first, again):  # a value of its own, as its op computed it, same mode
         assert new.meta["val"] is not old.meta["val"]
         assert new.meta["val"].fake_mode is mode
-        assert (new.meta["val"].shape, new.meta["val"].dtype) == (old.meta["val"].shape, old.meta["val"].dtype)
+        assert (new.meta["val"].shape, new.meta["val"].stride(), new.meta["val"].dtype) == \
+            (old.meta["val"].shape, old.meta["val"].stride(), old.meta["val"].dtype)
+    issue, wait = again[2:]  # a collective's value is a new tensor, as its meta function gives
+    storages = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in (issue.args[0], issue, wait)}
+    assert len(storages) == 3
     vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
     assert len({id(v) for v in vals}) == len(vals)
     assert insert(xs[2], 2)[1]  # another shape: recorded
     assert insert(xs[3], 3)[1]  # another closure value: recorded
     assert not insert(xs[3], 2)[1]
     graph.lint()
+
+
+def _recording(graph: fx.Graph) -> list:
+    """A recorded graph as text, placeholders by position (make_fx names them after the
+    function's parameters)."""
+    names = {n: f"input{i}" for i, n in enumerate(graph.find_nodes(op="placeholder"))}
+    rename = lambda a: fx.node.map_arg(a, lambda n: names.get(n, n.name))  # noqa: E731
+    return [(n.op, n.target, rename(n.args), rename(n.kwargs), str(n.meta["val"].shape))
+            if n.op == "call_function" else (n.op, rename(n.args)) for n in graph.nodes
+            if n.op != "placeholder"]
+
+
+def test_operator_recorder_records_the_passes_functions_as_make_fx_does():
+    """The operator recorder (the fast path of insert_traced) gives make_fx's pre-dispatch
+    graph of each function the passes insert: the same ops, normalized arguments (defaults
+    left out, keyword-only as keywords, tuples as lists), names and values; a function it does
+    not record as make_fx would is left to make_fx."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from spmd_compiler.passes import bucketing, subgraph
+    from spmd_compiler.passes.collectives import to_dtype, waited
+    from spmd_compiler.passes.fully_shard import pad_rows
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        odd = [torch.empty(5, 3), torch.empty(4, 3), torch.empty(7)]
+        even = [torch.empty(6, 3), torch.empty(4, 3), torch.empty(8)]
+    symbolic = mode.from_tensor(torch.empty(6, 3), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    cases = [
+        (lambda *s: bucketing._all_gather_bucket(list(s), 2, "g", [15, 12, 7],
+                                                 [[10, 3], [8, 3], [14]]), odd),
+        (lambda *s: bucketing._reduce_scatter_bucket(list(s), 2, 2, "g", [9, 6, 4],
+                                                     [[3, 3], [2, 3], [4]]), even),
+        (lambda *s: bucketing._all_reduce_bucket(list(s), 2, "g", [15, 12, 7],
+                                                 [[5, 3], [4, 3], [7]]), odd),
+        (lambda x: waited(c10d.all_gather_into_tensor.default,
+                          to_dtype(pad_rows(x, 2), torch.bfloat16), 2, "g"), odd[:1]),
+        (lambda x: (x, aten.slice.Tensor(x, 0, None, 4, 1), aten.sum.dim_IntList(x, (0,))), odd[:1]),
+        (lambda x: aten.pow.Tensor_Scalar(aten.div.Tensor(x, 2), 1.0 / 3), odd[:1]),
+    ]
+    for fn, vals in cases:
+        fast = subgraph._recorded_by_ops(fn, vals, mode)
+        with mode:
+            slow = make_fx(fn, pre_dispatch=True)(*vals).graph
+        assert fast is not None and _recording(fast) == _recording(slow)
+        assert [n.name for n in fast.nodes if n.op == "call_function"] == \
+            [n.name for n in slow.nodes if n.op == "call_function"]
+    unrecordable = [
+        lambda x: aten.add_.Tensor(x, 1),  # in place
+        lambda x: torch.cat([x, x]),  # a Python-level torch function
+        lambda x: aten.reshape.default(x, [x.shape[0] * 3]),  # a symbolic size
+    ]
+    for fn in unrecordable:
+        with mode:
+            x = torch.empty(6, 3) if fn is not unrecordable[2] else symbolic
+        assert subgraph._recorded_by_ops(fn, [x], mode) is None
+        assert len(subgraph._record(fn, [x], mode).find_nodes(op="placeholder")) == 1
 
 
 # ------------------------------------------------------------------------- dedup_collectives

@@ -482,3 +482,32 @@ def test_identity_views_dropped():
     g.output((d,))
     kept = skip_identity_views(torch.fx.GraphModule(torch.nn.Module(), g))
     assert _calls(kept, aten.detach.default)
+
+
+def _described(gm) -> list:
+    """Every node: name, op, target, arguments by name, its value's metadata and its meta keys."""
+    def val(n):
+        v = n.meta.get("val")
+        return (tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) if isinstance(v, torch.Tensor) else v
+    return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), str(val(n)), sorted(map(str, n.meta)))
+            for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_the_passes_insert_the_graph_make_fx_would_record(monkeypatch, mode):
+    """The expansion and bucketing insert the same graph, node for node (names, arguments,
+    values' metadata, meta keys), whether their functions are recorded by the operator
+    recorder with collective values made from the cached recording, or each by make_fx with
+    every op run again (clipping adds the fully_shard norm's completion)."""
+    from spmd_compiler.passes import subgraph
+
+    def compiled():
+        tr = _traced(opt_cls=torch.optim.AdamW, clip=True)
+        gm = (expand_replicate if mode == "replicate" else expand_fully_shard)(
+            tr.gm, group_name="g", world_size=WORLD)
+        return _described(bucket_collectives(gm, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005))
+
+    fast = compiled()
+    monkeypatch.setattr(subgraph, "_recorded_by_ops", lambda *a: None)
+    monkeypatch.setattr(subgraph, "_rerun", subgraph._run)
+    assert compiled() == fast
