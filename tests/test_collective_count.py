@@ -134,27 +134,11 @@ def _benchmark_models() -> list[str]:
 _ABOVE_FSDP2 = {("toy", "fully_shard"), ("toy_sgd", "fully_shard")}
 
 
-# ToyModel with momentum SGD under replicate: with block reuse the program that creates the
-# momentum buffers produces the last copied block's bias gradient after its weight's, so its
-# first gradient bucket differs from the steady program's; the programs then have no common
-# carrier and the per-call agreement takes its own collective (5 per call, DDP's 4)
-_CARRIERS_DIFFER = {("toy_sgd", "replicate")}
-
-
 def _cases() -> list:
-    out = []
-    for name in _benchmark_models():
-        for style in ("replicate", "fully_shard"):
-            if (name, style) in _ABOVE_FSDP2:
-                out.append(pytest.param(name, style, marks=pytest.mark.xfail(
-                    strict=True, reason="gathers as one broadcast per rank: 31 vs FSDP2's 29")))
-            elif (name, style) in _CARRIERS_DIFFER:
-                out.append(pytest.param(name, style, marks=pytest.mark.xfail(
-                    strict=True, reason="block reuse reorders a bias gradient in the first "
-                                        "program: the agreement takes its own collective")))
-            else:
-                out.append((name, style))
-    return out
+    return [pytest.param(name, style, marks=pytest.mark.xfail(
+                strict=True, reason="gathers as one broadcast per rank: 31 vs FSDP2's 29"))
+            if (name, style) in _ABOVE_FSDP2 else (name, style)
+            for name in _benchmark_models() for style in ("replicate", "fully_shard")]
 
 
 @pytest.mark.parametrize("name, style", _cases())

@@ -178,6 +178,8 @@ class _Template:
     reusable: bool = True
     why_not: str | None = None  # why it is not reusable
     dead: set = field(default_factory=set)  # size arithmetic no copy uses: not copied
+    # a copy's inputs in the order autograd accumulates their gradients (``accumulation_order``)
+    order: list | None = None
     object_state: tuple = ()  # step_objects.state of the objects it was passed, after it ran
     verified: bool = True  # False: it read an int any block may differ in (see _recorded_alike)
 
@@ -230,9 +232,11 @@ class BlockReuse:
         call = _Call(self, m, path, forward, args, kwargs, flat, names, spec, key, template)
         call.objects, call.check_of = objects, check_of
         call.caller_trace = call.tracer._stack_trace(sys._getframe(1)) or ""
+        call.order = template.order if template is not None else None
         self.inside = True
         try:
-            outs = _BlockCall.apply(call, *flat)
+            outs = _BlockCall.apply(call, *(flat if call.order is None
+                                             else [flat[i] for i in call.order]))
         finally:
             self.inside = False
         return call.unflatten(outs)
@@ -508,6 +512,7 @@ class _Call:
         self.caller_trace = ""
         self.objects: list = []  # the step objects it is passed (spmd_compiler/trace/step_objects.py)
         self.check_of: "_Template | None" = None  # the template its recording checks
+        self.order: list | None = None  # its inputs' order in the autograd node (_BlockCall)
         self.uniform_objects: str | None = None  # why their state may read otherwise per block
 
     # forward ------------------------------------------------------------------------------
@@ -642,6 +647,7 @@ class _Call:
                 t.reusable = False
                 t.why_not = t.why_not or f"its backward uses a tensor from outside it ({n.target})"
         t.dead = _dead_sizes(t)
+        t.order = _accumulation_order(t, len(self.names))
         for n in scratch.nodes:  # the step's nodes do not list scratch nodes among their users
             for a in n.all_input_nodes:
                 if a.graph is not scratch:
@@ -800,13 +806,31 @@ def _writes_input(n, inputs) -> bool:
                and n.kwargs.get(arg.name) in inputs for arg in schema.arguments)
 
 
+def _accumulation_order(t: "_Template", states: int) -> list | None:
+    """The block's parameters and buffers (the first ``states`` inputs) in the order their
+    gradients are made in the template's backward, then its other inputs; None when that is
+    their order already. Autograd accumulates a block call's input gradients in the order of its
+    inputs, where a plain recording accumulates each when it is made (a Linear's bias before
+    its weight, whose gradient passes a transpose first): a copy called with its inputs so
+    ordered accumulates them as the plain recording does, and the gradient buckets that follow
+    that order are the same."""
+    pos = {n: k for k, n in enumerate(t.bwd_nodes)}
+    order = sorted(range(states), key=lambda i: pos.get(t.results[i], len(pos)))
+    return None if order == list(range(states)) else order + list(range(states, len(t.results)))
+
+
 class _BlockCall(torch.autograd.Function):
-    """A block's call as one autograd node (see the module docstring)."""
+    """A block's call as one autograd node (see the module docstring); its inputs in the order
+    ``call.order`` gives when it has one."""
 
     @staticmethod
     def forward(ctx, call, *flat):
         ctx.set_materialize_grads(False)
         ctx.call = call
+        if call.order is not None:
+            given, flat = flat, [None] * len(flat)
+            for k, i in enumerate(call.order):
+                flat[i] = given[k]
         outs = call.run_forward(flat)
         call.args = call.kwargs = None  # (the step objects among them must not outlive it)
         call.objects = ()
@@ -816,4 +840,6 @@ class _BlockCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *ctx.call.run_backward(grads))
+        got = ctx.call.run_backward(grads)
+        order = ctx.call.order
+        return (None, *(got if order is None else [got[i] for i in order]))
