@@ -305,31 +305,64 @@ class ValueGuards:
         self.guards = list(guards)
         self._roots = roots
         self.has_lifted = any(g.lifted for g in self.guards)
-        self._bind()
-
-    def _bind(self) -> None:
-        """Resolve every guard's path on the live objects: the (mapping, key) each value is read
-        from, and the objects the paths pass through (``slot``'s ``along``), which ``hold``
-        checks by identity first."""
-        checked, lifted, along = [], [], []
+        self._checked, self._lifted, self._place = [], [], []
+        self._objects: list[list] = []  # [mapping, key, object] per object a path passes through
+        self._deps: list[list[int]] = []  # per guard: the indices of the objects its path passes
+        index: dict = {}
         for g in self.guards:
-            try:
-                mapping, key = slot(g.path, self._roots, along)
-            except (LookupError, AttributeError, TypeError, ValueError, IndexError):
-                mapping, key = {}, None  # gone: the guard fails (a lifted value reads None)
-            (lifted if g.lifted else checked).append((mapping, key, g.value))
-        self._checked = checked
-        self._lifted = [(m, k) for m, k, _ in lifted]
-        self._same_objects = _identity_checker(along)
-        self._values_hold = _checker(checked)
+            mapping, key, along = self._resolve(g)
+            if g.lifted:
+                self._place.append(("lifted", len(self._lifted)))
+                self._lifted.append((mapping, key))
+            else:
+                self._place.append(("checked", len(self._checked)))
+                self._checked.append((mapping, key, g.value))
+            deps = []
+            for holder, k, obj in along:
+                j = index.setdefault((id(holder), k), len(self._objects))
+                if j == len(self._objects):
+                    self._objects.append([holder, k, obj])
+                deps.append(j)
+            self._deps.append(deps)
+        self._getters = [m.get for m, _, _ in self._checked]
+        self._keys = [k for _, k, _ in self._checked]
+        self._values_hold = _checker(self._checked, self._getters, self._keys)
+        self._same_objects = _identity_checker(self._objects)
+
+    def _resolve(self, g: ValueGuard) -> tuple:
+        """(mapping, key, objects along the path) of ``g`` on the live objects (``slot``)."""
+        along: list = []
+        try:
+            mapping, key = slot(g.path, self._roots, along)
+        except (LookupError, AttributeError, TypeError, ValueError, IndexError):
+            return {}, None, []  # gone: the guard fails (a lifted value reads None)
+        return mapping, key, along
+
+    def _rebind(self) -> None:
+        """Re-resolve the paths that pass through an object replaced since (a global rebound to
+        a new config), in place: the generated checks read the new (mapping, key) pairs."""
+        stale = {j for j, (holder, k, obj) in enumerate(self._objects)
+                 if holder.get(k, _MISSING) is not obj}
+        for i, g in enumerate(self.guards):
+            if stale.isdisjoint(self._deps[i]):
+                continue
+            mapping, key, along = self._resolve(g)
+            kind, at = self._place[i]
+            if kind == "lifted":
+                self._lifted[at] = (mapping, key)
+            else:
+                self._checked[at] = (mapping, key, g.value)
+                self._getters[at], self._keys[at] = mapping.get, key
+            for j, entry in zip(self._deps[i], along):
+                self._objects[j][:] = entry
 
     def hold(self) -> bool:
         """Does every value the program holds as a constant read as it did at recording? An
         object along a path replaced since the last call (a global rebound to a new config)
-        re-resolves the paths on the new objects first, so its values are the ones compared and
-        the lifted values are read from it."""
+        re-resolves the paths through it first, so its values are the ones compared and the
+        lifted values are read from it."""
         if not self._same_objects():
-            self._bind()
+            self._rebind()
         return self._values_hold()
 
     def lifted_values(self) -> list:
@@ -350,7 +383,7 @@ class ValueGuards:
     def changed(self) -> list[tuple[ValueGuard, Any]]:
         """(guard, current value) of every guard that fails."""
         if not self._same_objects():
-            self._bind()
+            self._rebind()
         out = []
         for g, (mapping, key, value) in zip([g for g in self.guards if not g.lifted], self._checked):
             now = mapping.get(key, _MISSING)
@@ -359,35 +392,31 @@ class ValueGuards:
         return out
 
 
-def _checker(checked: list[tuple]) -> Callable[[], bool]:
+def _checker(checked: list[tuple], getters: list, keys: list) -> Callable[[], bool]:
     """``hold()``: is every value the program holds as a constant unchanged? One generated
     expression (a lookup, an identity test and, only when that fails, a type and equality test
-    per guard): about half the time of a loop over the guards."""
+    per guard): about half the time of a loop over the guards. It reads each value through
+    ``getters[i](keys[i])``, lists ``ValueGuards._rebind`` updates in place."""
     if not checked:
         return lambda: True
-    namespace: dict[str, Any] = {"_M": _MISSING}
+    namespace: dict[str, Any] = {"_M": _MISSING, "G": getters, "K": keys}
     terms = []
-    for i, (mapping, key, value) in enumerate(checked):
-        namespace.update({f"m{i}": mapping.get, f"k{i}": key, f"v{i}": value, f"t{i}": type(value)})
-        terms.append(f"((x := m{i}(k{i}, _M)) is v{i} or (type(x) is t{i} and x == v{i}))")
+    for i, (_, _, value) in enumerate(checked):
+        namespace.update({f"v{i}": value, f"t{i}": type(value)})
+        terms.append(f"((x := G[{i}](K[{i}], _M)) is v{i} or (type(x) is t{i} and x == v{i}))")
     exec(compile("def hold():\n    return bool(" + "\n        and ".join(terms) + ")",
                  "<spmd_compiler value guards>", "exec"), namespace)
     return namespace["hold"]
 
 
-def _identity_checker(along: list[tuple]) -> Callable[[], bool]:
+def _identity_checker(objects: list[list]) -> Callable[[], bool]:
     """``same()``: is each object the guards' paths pass through still the one they were
-    resolved on (``mapping.get(key) is obj``)?"""
-    seen, terms, namespace = set(), [], {"_M": _MISSING}
-    for mapping, key, obj in along:
-        if (id(mapping), key) in seen:
-            continue
-        seen.add((id(mapping), key))
-        i = len(terms)
-        namespace.update({f"m{i}": mapping.get, f"k{i}": key, f"o{i}": obj})
-        terms.append(f"m{i}(k{i}, _M) is o{i}")
-    if not terms:
+    resolved on (``mapping.get(key) is obj`` for each [mapping, key, obj] of ``objects``, read
+    as they are when it runs)?"""
+    if not objects:
         return lambda: True
+    namespace = {"_M": _MISSING, "O": objects}
+    terms = [f"O[{j}][0].get(O[{j}][1], _M) is O[{j}][2]" for j in range(len(objects))]
     exec(compile("def same():\n    return (" + "\n        and ".join(terms) + ")",
                  "<spmd_compiler guarded paths>", "exec"), namespace)
     return namespace["same"]
