@@ -120,6 +120,38 @@ def wgan_gp_step(G, D, opt_g, opt_d, batch, lam=10.0):
     return d_loss.detach(), g_loss.detach()
 
 
+def wgan_gp_reused_step(G, D, opt_g, opt_d, batch, lam=10.0):
+    """WGAN-GP as commonly written: one forward of ``G``, detached for the critic's loss and its
+    penalty, then reused for the generator's loss after the critic's ``step()``."""
+    real, z, eps = batch
+    fake = G(z)
+    opt_d.zero_grad()
+    x_hat = (eps * real + (1 - eps) * fake.detach()).requires_grad_(True)
+    (grads,) = torch.autograd.grad(D(x_hat).sum(), x_hat, create_graph=True)
+    penalty = ((grads.norm(2, dim=1) - 1) ** 2).mean()
+    d_loss = D(fake.detach()).mean() - D(real).mean() + lam * penalty
+    d_loss.backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    g_loss = -D(fake).mean()
+    g_loss.backward()
+    opt_g.step()
+    return d_loss.detach(), g_loss.detach()
+
+
+def input_gradient_penalty_step(model, opt, batch, lam=1.0):
+    """One model, a penalty on its input gradient's norm (a double backward through every layer)."""
+    x, y = batch
+    opt.zero_grad()
+    x = x.requires_grad_(True)
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    loss = F.mse_loss(out, y) + lam * ((g.norm(2, dim=1) - 1) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
 def ema_lerp_step(model, ema, opt, batch, decay=0.9):
     """timm's ModelEmaV3 update: ``lerp_`` of every EMA parameter towards the model's."""
     x, y = batch
@@ -277,6 +309,36 @@ def _two_optimizer_gan(step, eps=False):
     return build
 
 
+def _wgan_gp_reused(style: str) -> dict:
+    """A critic ``Linear -> LayerNorm -> GELU -> Linear`` with Adam(betas=(0.0, 0.9)); the
+    generator's first layer is shaped like the critic's (one block in two modules)."""
+    torch.manual_seed(0)
+    ours = {"G": nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)),
+            "D": nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 1))}
+    ref = copy.deepcopy(ours)
+    G, D = ours["G"], ours["D"]
+    opts = [_adam(G, betas=(0.0, 0.9)), _adam(D, betas=(0.0, 0.9))]
+    ref_opts = [_adam(ref["G"], betas=(0.0, 0.9)), _adam(ref["D"], betas=(0.0, 0.9))]
+    wrapped = (_ddp(ref["G"]), _ddp(ref["D"]))
+    return dict(step=wgan_gp_reused_step, args=lambda b: (G, D, *opts, b),
+                ref_args=lambda b: (*wrapped, *ref_opts, b), data=lambda i: _gan_data(i, True),
+                modules={k: (ours[k], ref[k]) for k in ours}, optimizers=list(zip(opts, ref_opts)))
+
+
+def _input_gradient_penalty(style: str) -> dict:
+    """Bias-free layers 12 -> 16 -> 16 -> 16 -> 5 (two alike: repeated blocks), plain SGD."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(a, b, bias=False) for a, b in
+                            [(12, 16), (16, 16), (16, 16), (16, 5)]))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    wrapped = _ddp(ref)
+    return dict(step=input_gradient_penalty_step, args=lambda b: (model, opt, b),
+                ref_args=lambda b: (wrapped, ref_opt, b),
+                data=lambda i: rank_data(90 + i, (BATCH, 12), (BATCH, 5)),
+                modules={"model": (model, ref)}, optimizers=[(opt, ref_opt)])
+
+
 def _gan_dict(style: str) -> dict:
     ours, ref = _gan_parts()
     opts, ref_opts = (_adam(ours["G"]), _adam(ours["D"])), (_adam(ref["G"]), _adam(ref["D"]))
@@ -403,6 +465,8 @@ CASES = {
     "gan_dict": _gan_dict,
     "gan_clip": _two_optimizer_gan(gan_clip_step),
     "wgan_gp": _two_optimizer_gan(wgan_gp_step, eps=True),
+    "wgan_gp_reused": _wgan_gp_reused,
+    "input_gradient_penalty": _input_gradient_penalty,
     "ema_lerp": _with_copy(ema_lerp_step, _frozen, (8, 16, 4), _regression_data),
     "ema_foreach": _with_copy(ema_foreach_step, _frozen, (8, 16, 4), _regression_data),
     "distill": _with_copy(distill_step, _teacher, (8, 16, 5), _class_data),

@@ -36,7 +36,8 @@ hooks, non-plain tensors (DTensor, subclasses), outputs that are not fresh tenso
 update of an input or a use of a tensor it was not passed is recorded plainly. An object the
 step makes and passes through the blocks (a ``DynamicCache``) is handled by
 spmd_compiler/trace/step_objects.py. A backward whose incoming gradients differ from the
-template's (a missing or strided one), or a step object read after a copy skipped its Python,
+template's (a missing or strided one), a backward through a block that is itself differentiated
+(``create_graph=True``: a gradient penalty), or a step object read after a copy skipped its Python,
 abandons reuse and the whole step is recorded again without it (``BlockMismatch``). Every
 block recorded plainly and every abandoned recording is logged (INFO, ``spmd_compiler``
 logger) with the reason. ``SPMD_NO_BLOCK_REUSE=1`` turns it off.
@@ -725,6 +726,9 @@ class _Call:
     # backward -----------------------------------------------------------------------------
 
     def run_backward(self, grads):
+        if torch.is_grad_enabled():  # create_graph=True: the copied nodes would not be differentiated
+            raise BlockMismatch(f"the backward of block {self.path} is itself differentiated "
+                                f"(autograd.grad or backward with create_graph=True)")
         t = self.template
         if not t.reusable:  # recorded as autograd would
             leaves, outs = self.inner
