@@ -33,6 +33,7 @@ class Region(str, Enum):
 # Written by the tracer.
 ROLE = "spmd_role"  # Role
 REGION = "spmd_region"  # Region
+STEPPED = "spmd_stepped"  # True on nodes recorded up to the end of the step's last optimizer step()
 PARAM_FQN = "spmd_param_fqn"  # str: the parameter a PARAM / OPT_STATE / GRAD node belongs to
 STATE_KEY = "spmd_state_key"  # str: optimizer state name ("exp_avg", "momentum_buffer", ...)
 INPUT_PATH = "spmd_input_path"  # str: pytree path of an INPUT leaf in the step's arguments

@@ -525,20 +525,23 @@ def mark_stepped(opt: torch.optim.Optimizer) -> None:
 
 
 @contextlib.contextmanager
-def tag_regions(key: str, forward, backward, optimizer):
+def tag_regions(key: str, forward, backward, optimizer, stepped_key: str):
     """While recording: nodes recorded before and inside ``torch.autograd.backward`` (what
     ``loss.backward()`` calls) get ``meta[key]`` ``forward`` and ``backward``, and nodes recorded
     after a backward up to the end of an optimizer's ``step()`` get ``optimizer`` (where unset):
-    a step with several backward calls (a GAN) has a region of each kind per backward."""
+    a step with several backward calls (a GAN) has a region of each kind per backward. Nodes
+    recorded up to the end of an optimizer's ``step()`` get ``meta[stepped_key] = True``."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     original = torch.autograd.backward
 
-    def tag(region):
+    def tag(region, stepped=False):
         mode = get_proxy_mode()
         if mode is not None:
             for node in mode.tracer.graph.nodes:
                 node.meta.setdefault(key, region)
+                if stepped:
+                    node.meta[stepped_key] = True
 
     def recorded_backward(*args, **kwargs):
         tag(forward)
@@ -547,7 +550,7 @@ def tag_regions(key: str, forward, backward, optimizer):
         return result
 
     handle = register_optimizer_step_post_hook(
-        lambda *_: tag(optimizer))
+        lambda *_: tag(optimizer, stepped=True))
     try:
         with _swapped(torch.autograd, "backward", recorded_backward):
             yield

@@ -21,6 +21,8 @@ DDP is the reference, different data on every rank, tolerances rtol 1e-5 / atol 
 from __future__ import annotations
 
 import logging
+
+import pytest
 import warnings
 from copy import deepcopy
 
@@ -170,6 +172,56 @@ def test_scheduler_passed_and_read_is_no_rank_disagreement(pool2):
     for res in pool2.run(scheduler_job, "read"):
         assert not res["problems"], res["problems"]
         assert res["lr"] == (0.1 * 0.5 ** STEPS, STEPS, 2), res["lr"]
+
+
+def periodic_scheduler_job(style: str) -> dict:
+    """``StepLR(step_size=2)`` stepped inside the step, between the optimizer's step and an EMA
+    update and ``return loss.detach()``: its learning rate changes every second call only (the
+    replayed statement changes less than the recorded call did), as DDP's does."""
+    from spmd_compiler import DataParallel, spmd_compile
+
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    model, opt, ref, ref_opt = _models(sgd)
+    ema, ref_ema = Net(), Net()
+    ema.load_state_dict(model.state_dict())
+    ref_ema.load_state_dict(model.state_dict())
+
+    def make_step(sched):
+        def train_step(model, ema, opt, batch):
+            opt.zero_grad()
+            loss = _loss(model, batch)
+            loss.backward()
+            opt.step()
+            sched.step()
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.lerp_(p, 0.1)
+            return loss.detach()
+        return train_step
+
+    step = spmd_compile(DataParallel(style))(
+        make_step(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)))
+    train_step = make_step(torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5))
+    check = ParityChecker(RTOL, ATOL)
+    lrs = []
+    for i in range(2 * STEPS):
+        step(model, ema, opt, _batch(i))
+        train_step(ref, ref_ema, ref_opt, _batch(i))
+        _compare(check, model, opt, ref, ref_opt, f"step {i}")
+        lrs.append((opt.param_groups[0]["lr"], ref_opt.param_groups[0]["lr"]))
+    for (n, e), r in zip(ema.named_parameters(), ref_ema.parameters()):
+        e = e.full_tensor() if hasattr(e, "full_tensor") else e
+        check.close("param", f"ema {n}", e, r)
+    return {"problems": check.problems, "lrs": lrs, "compiles": step.compile_count}
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_scheduler_stepping_every_second_call_inside_the_step_matches_ddp(pool2, style):
+    for res in pool2.run(periodic_scheduler_job, style):
+        assert not res["problems"], res["problems"][:5]
+        assert [a for a, _ in res["lrs"]] == [b for _, b in res["lrs"]], res["lrs"]
+        assert res["lrs"][-1][0] == 0.1 * 0.5 ** STEPS, res["lrs"]
+        assert res["compiles"] <= 3, res["compiles"]
 
 
 def test_scheduler_stepped_before_the_tensor_work_raises_naming_it(pool2):

@@ -462,7 +462,7 @@ class _StatelessStep:
         state_by_key = dict(zip([k for k, _ in st.states], states))
         trainable = [fp for fp in params if fp.requires_grad]
         regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD,
-                              meta.Region.OPTIMIZER)
+                              meta.Region.OPTIMIZER, meta.STEPPED)
         with _reparametrize_module(sa.module, by_name, strict=False), regions, \
                 refuse_reentrant_checkpoint(_reentrant_checkpoint_error), _bind_optimizers(
             sa.optimizers, fake_of, state_by_key, lifted, self.grad_nodes, st.fqn_of, self.fuse,

@@ -6,15 +6,17 @@ arguments, closure variables and globals, never a value the step computed — do
 call exactly what it would do after the compiled step's graph has run: ``scheduler.step()``,
 ``step_count += 1``, ``opt.param_groups[0]["lr"] *= 0.99``. :func:`plan` finds such statements
 for the changes the recording saw, checks by running them once (and putting the state back) that
-they make exactly those changes, and returns their source; ``run_after``
+they change nothing else (fewer is fine: a ``StepLR`` changes the learning rate only every
+``step_size`` calls), and returns their source; ``run_after``
 (spmd_compiler/runtime/replayed.py) runs them after each call of the compiled step, so a scheduler stepped inside the step keeps working as in eager
 PyTorch (the learning rate it sets is a graph input, read at the next call).
 
 A change that no such statement explains raises SideEffectError naming it, its line and why:
 the statement is not a top-level statement of the step (inside a loop, a branch or a function the
 step calls), it reads a value the step computed (``print(loss.item())``, ``log(loss)``), it comes
-before the step's tensor work (it would have to run before the graph, which this does not do), or
-it assigns a variable of an enclosing function.
+before the step's tensor work (it would have to run before the graph, which this does not do;
+a learning-rate scheduler's step may precede tensor work after the step's last optimizer
+``step()``, such as an EMA update or ``return loss.detach()``), or it assigns a variable of an enclosing function.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def plan(fn: Callable, changes: list[Change], gm: torch.fx.GraphModule, sa,
     seen: list[Change] = []
     with watch(fn, sa.module, sa.optimizers, step_constants(sa), where, into=seen):
         run_after(fn, source, sa)
-    if sorted(c.what for c in seen) != sorted(c.what for c in changes):
+    recorded = {p for c in changes for p in c.parts}
+    if any(not set(c.parts) <= recorded for c in seen):  # fewer: a StepLR between its steps
         raise SideEffectError(message(fn, changes, (
             f"Run again after the call, the step's statements at those lines change "
             f"{sorted(c.what for c in seen)} instead. ")))
@@ -67,6 +70,7 @@ def _statements(fn: Callable, changes: list[Change], gm) -> tuple[list[str] | No
         tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else []
     spans = [(s.lineno + first - 1, s.end_lineno + first - 1, s) for s in body]
     chosen: dict[int, ast.stmt] = {}
+    by_statement: dict[int, list[Change]] = {}
     for c in changes:  # a change without a line (an in-place write) is left to the check
         at = c.where
         if at is None:
@@ -76,6 +80,7 @@ def _statements(fn: Callable, changes: list[Change], gm) -> tuple[list[str] | No
             return None, (f"It is not made by a top-level statement of the step ({c.what}), so "
                           f"it cannot be run again after each call. ")
         chosen[stmt.lineno + first - 1] = stmt
+        by_statement.setdefault(stmt.lineno + first - 1, []).append(c)
     if not chosen:
         return None, "No line of the step could be found for it. "
     locals_ = set(code.co_varnames[code.co_argcount + code.co_kwonlyargcount:])
@@ -91,10 +96,13 @@ def _statements(fn: Callable, changes: list[Change], gm) -> tuple[list[str] | No
                 isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id in code.co_freevars
                 for n in ast.walk(stmt)):
             return None, f"The statement at line {start} assigns a variable of an enclosing function. "
-        if last_tensor_line is not None and start <= last_tensor_line:
+        if last_tensor_line is not None and start <= last_tensor_line and not (
+                all(c.schedule for c in by_statement[start])
+                and start > (_last_recorded_line(gm, code, stepped_only=True) or 0)):
             return None, (f"The statement at line {start} comes before the step's last tensor "
                           f"operation (line {last_tensor_line}); only statements after it can be "
-                          f"run again after each call. ")
+                          f"run again after each call (a learning-rate scheduler's step may come "
+                          f"earlier, after the step's last optimizer step). ")
         source = ast.unparse(stmt)
         glob = sorted(names & declared)
         out.append((f"global {', '.join(glob)}\n" if glob else "") + source)
@@ -107,10 +115,11 @@ def _global_declarations(tree: ast.AST):
             yield from node.names
 
 
-def _last_recorded_line(gm: torch.fx.GraphModule, code) -> int | None:
+def _last_recorded_line(gm: torch.fx.GraphModule, code, stepped_only: bool = False) -> int | None:
     """The last line of the step itself on whose stack a graph node was recorded (the step's
     tensor work), leaving out in-place writes to the learning rates the graph reads and the nodes
-    only they use (a scheduler's ``fill_`` of a tensor learning rate: no later node reads it)."""
+    only they use (a scheduler's ``fill_`` of a tensor learning rate: no later node reads it).
+    ``stepped_only``: the last such line up to the end of the step's last optimizer ``step()``."""
     from spmd_compiler.passes import meta
 
     feeds_lr_only: set[torch.fx.Node] = set()
@@ -124,6 +133,8 @@ def _last_recorded_line(gm: torch.fx.GraphModule, code) -> int | None:
     last = None
     for node in gm.graph.nodes:
         if node.op != "call_function" or not node.stack_trace or node in feeds_lr_only:
+            continue
+        if stepped_only and not node.meta.get(meta.STEPPED):
             continue
         for file, line, name in _FRAME.findall(node.stack_trace):
             if file == code.co_filename and name == code.co_name:

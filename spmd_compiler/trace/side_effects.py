@@ -68,6 +68,11 @@ class Change:
     line: str | None = None
     # (attribute dict or globals, name, value after the step's code ran) of what changed
     slots: tuple = ()
+    # a learning-rate schedule's change (an optimizer's param_groups, an LRScheduler's state):
+    # the graph reads it only through its learning-rate inputs
+    schedule: bool = False
+    # what changed, one item per attribute or key: (owner, name)
+    parts: tuple = ()
 
     @property
     def where(self) -> tuple[str, int] | None:
@@ -248,6 +253,7 @@ def _is_number(v: Any) -> bool:
 
 
 _CONTAINERS = (list, dict, set)
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def _attrs(obj: Any) -> dict:
@@ -377,11 +383,13 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list) -> list[Change]:
     for k, groups in snap.groups:
         now = optimizers[k].param_groups
         if len(now) != len(groups):
-            out.append(Change(f"optimizer {k}: param groups added or removed"))
+            out.append(Change(f"optimizer {k}: param groups added or removed",
+                              parts=((f"optimizer {k}", "param_groups"),)))
         for i, (before, group) in enumerate(zip(groups, now)):
             for key in _diff(before, group):
                 out.append(Change(f"optimizer {k} param_groups[{i}][{key!r}]",
-                                   getattr(group, "lines", {}).get(key)))
+                                   getattr(group, "lines", {}).get(key), schedule=True,
+                                   parts=((f"optimizer {k} param_groups[{i}]", key),)))
     stores = _stores(fn, "STORE_ATTR")
     for name, m, before in snap.modules:
         changed = _diff(before, m.__dict__)
@@ -391,7 +399,8 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list) -> list[Change]:
         forward = _stores(type(m).forward, "STORE_ATTR")
         out += [Change(f"attribute {a!r} of module {name or '<root>'!r} ({type(m).__name__})",
                         _line(type(m).forward, forward[a]) if a in forward else
-                        _line(fn, stores.get(a)), ((m.__dict__, a, m.__dict__.get(a)),))
+                        _line(fn, stores.get(a)), ((m.__dict__, a, m.__dict__.get(a)),),
+                        parts=((f"module {name}", a),))
                 for a in changed]
     for label, var, obj, before, only in snap.objects:
         changed = _diff(before, _attrs(obj) if only is None else
@@ -403,10 +412,13 @@ def _changes(snap: _Snapshot, fn: Callable, optimizers: list) -> list[Change]:
             attrs = _attrs(obj)
             slots = () if type(obj) in _CONTAINERS else tuple((attrs, a, attrs.get(a)) for a in changed)
             out.append(Change(what, _line(fn, line) if line is not None else
-                              _forward_line(snap.modules, changed), slots))
+                              _forward_line(snap.modules, changed), slots,
+                              schedule=isinstance(obj, _SCHEDULERS),
+                              parts=tuple((label, a) for a in changed)))
     for f, n, line, before in snap.globals:
         if not _same(before, f.__globals__.get(n, _MISSING)):
-            out.append(Change(f"global {n!r}", _line(f, line), ((f.__globals__, n, f.__globals__.get(n)),)))
+            out.append(Change(f"global {n!r}", _line(f, line), ((f.__globals__, n, f.__globals__.get(n)),),
+                              parts=((f"globals of {f.__module__}", n),)))
     return out
 
 
