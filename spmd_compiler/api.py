@@ -46,6 +46,7 @@ from .state.eager import attach as attach_eager_use, refuse_bound
 from .state.placement import communication_failures, place_state
 from .trace import guards
 from .trace.dynamic_dims import InputShapeHistory
+from .verify import checked_call, verification as checks_asked
 
 log = logging.getLogger("spmd_compiler")
 
@@ -64,7 +65,7 @@ class CompiledStep:
                  dump_dir: str | None = None,
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
                  check_ranks: bool = True, retain_host_memory: bool = True,
-                 cache_dir: str | None = None, mesh=None):
+                 cache_dir: str | None = None, mesh=None, verification=None):
         self._data_mesh = DataParallelDims(parallel_mode)  # (mesh, step args) -> dims left to dp
         parallel_mode = self._data_mesh.mode  # none given: replicate, or a plan over every dim alone
         _check_options(parallel_mode, backend, mesh)
@@ -90,6 +91,7 @@ class CompiledStep:
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
         self._kept, self._lifts = KeptGradients(), guards.LiftPolicy()  # no_sync; read numbers
+        self.verification = verification or checks_asked(None, None, None)
 
     def no_sync(self):
         """Calls inside this block run forward and backward only, gradients accumulating with the
@@ -104,6 +106,12 @@ class CompiledStep:
         sa = self._arguments(args, kwargs)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         mesh = call_mesh(self.mesh, module_device(sa.module, inputs))
+        if self.verification is not None and self.verification.due():
+            return _checked(self, sa, mesh)
+        return self._run(sa, mesh)
+
+    def _run(self, sa: StepArgs, mesh):
+        """The call on the newest program that fits, compiled first if none does."""
         call = Call.of(sa, self._data_mesh(mesh, sa), self._kept.mode_for(sa.module))
         choice = call.newest_fit(self._programs)  # the newest program that fits, as dynamo's
         if self.check_ranks:
@@ -195,6 +203,25 @@ class CompiledStep:
             mesh_group(mesh).group_name))
         return _Ready(program.final_traced, program.runnable, program.guard_code, program.seconds,
                       describe_graph(program.gm, program.runnable), len(program.gm.graph.nodes))
+
+
+def _checked(step: CompiledStep, sa: StepArgs, mesh):
+    """The call checked against the step run eagerly with DDP's semantics (verify.py)."""
+    compiled = step.compile_count
+    return checked_call(step.fn, sa, mesh_group(mesh), _unverifiable(step, sa),
+                        lambda: step._run(sa, mesh), step.verification,
+                        lambda: step.compile_count != compiled, step.parallel_mode.broadcast_buffers)
+
+
+def _unverifiable(step: CompiledStep, sa: StepArgs) -> str | None:
+    """Why this call cannot be checked against the eager reference (None: it can)."""
+    if has_plan(sa.module):
+        return "the step has a tensor-parallel plan"
+    if step.parallel_mode.mp_policy is not None:
+        return "the step runs under a mixed-precision policy"
+    if step._kept.mode_for(sa.module) or step._kept.grads:
+        return "calls inside no_sync() and the call that syncs them carry gradients"
+    return None
 
 
 def _compile(step: CompiledStep, sa: StepArgs, mesh, key: tuple) -> CompiledGraph:
@@ -401,7 +428,9 @@ def summary_text(step: CompiledStep) -> str | None:
 
 def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "eager",
                  dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True,
-                 retain_host_memory: bool = True, cache_dir: str | None = None, mesh=None):
+                 retain_host_memory: bool = True, cache_dir: str | None = None, mesh=None,
+                 verify: int | None = None, verify_every: int | None = None,
+                 verify_tolerance: tuple[float, float] | None = None):
     """Decorator: compile a single-device training step for data parallelism.
 
     Args:
@@ -434,14 +463,21 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             plan (``parallelize_module`` over ``mesh["tp"]``) data parallelism runs over the
             dims the plan leaves; without ``parallel_mode`` a plan over the whole mesh runs
             alone (docs/tensor_parallel.md).
+        verify: check the first ``verify`` calls against the step run eagerly with DDP's
+            semantics on copies of its state (also ``SPMD_VERIFY``); a difference raises
+            ``DivergenceError`` on every rank (spmd_compiler/verify.py, docs/user_guide.md).
+        verify_every: after those, check every ``verify_every``-th call (``SPMD_VERIFY_EVERY``).
+        verify_tolerance: ``(rtol, atol)`` of the comparison, default ``(1e-4, 1e-5)``.
     """
     if mesh is not None:
         check_mesh(parallel_mode or DataParallel("replicate"), mesh)
+    checks = checks_asked(verify, verify_every, verify_tolerance)
 
     def decorate(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, parallel_mode, backend=backend, dump_dir=dump_dir,
                             gm_transformation=gm_transformation, check_ranks=check_ranks,
-                            retain_host_memory=retain_host_memory, cache_dir=cache_dir, mesh=mesh)
+                            retain_host_memory=retain_host_memory, cache_dir=cache_dir, mesh=mesh,
+                            verification=checks)
 
     return decorate
 

@@ -62,7 +62,7 @@ def _demo_rank(rank: int, world: int, port: int, args: argparse.Namespace, resul
             opt = torch.optim.Adam(model.parameters(), lr=args.lr)
             ddp_opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
             dump = os.path.join(args.dump_dir, style) if args.dump_dir else None
-            step = spmd_compile(DataParallel(style), dump_dir=dump)(demo_train_step)
+            step = spmd_compile(DataParallel(style), dump_dir=dump, verify=args.verify)(demo_train_step)
             gen = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
             worst = 0.0
             for i in range(args.steps):
@@ -81,7 +81,8 @@ def _demo_rank(rank: int, world: int, port: int, args: argparse.Namespace, resul
                           f"DDP loss {ref.item():.5f}  max |param - DDP| {diff:.2e}", flush=True)
             report.append((style, worst, first_compile, step))
         if rank == 0:
-            results.put([(s, w, c) for s, w, c, _ in report])
+            results.put([(s, w, c, step.verification.checked if step.verification else 0)
+                         for s, w, c, step in report])
             from .api import summary_text
 
             for style, _, _, step in report:
@@ -112,12 +113,13 @@ def demo(args: argparse.Namespace) -> int:
         return 1
     ok = True
     print("\nresult:")
-    for style, worst, compile_s in results.get():
+    for style, worst, compile_s, checked in results.get():
         passed = worst <= args.tolerance
         ok &= passed
         print(f"  {style:12s} max |param - DDP| over {args.steps} steps = {worst:.2e} "
               f"(tolerance {args.tolerance:.0e}) -> {'OK' if passed else 'MISMATCH'}; "
-              f"first compile {compile_s:.2f}s")
+              f"first compile {compile_s:.2f}s; {checked} calls verified against the eager "
+              f"reference (verify={args.verify})")
     print(f"graph dumps: {args.dump_dir}")
     return 0 if ok else 1
 
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
     d.add_argument("--modes", nargs="+", default=["replicate", "fully_shard"], choices=["replicate", "fully_shard"],
                    help="parallel styles to run (default: both)")
+    d.add_argument("--verify", type=int, default=2,
+                   help="check the first N calls against the step run eagerly with DDP's "
+                        "semantics (spmd_compile(verify=N); default 2, 0: off)")
     d.add_argument("--dump-dir", default=None,
                    help="folder for per-stage graph dumps (default: a new temporary folder)")
     d.add_argument("--tolerance", type=float, default=1e-5,

@@ -57,3 +57,8 @@ class RankMismatchError(SPMDError):
 class SideEffectError(SPMDError):
     """The step changes Python state while it is recorded; the compiled step would not repeat
     the change on later calls."""
+
+
+class DivergenceError(SPMDError):
+    """``verify``: the compiled step's result differs from the step run eagerly with DDP's
+    semantics (spmd_compiler/verify.py)."""

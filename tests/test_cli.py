@@ -32,6 +32,7 @@ def test_the_readme_demo_command_trains_both_modes_like_ddp(tmp_path):
     assert [(m, n, ok) for m, n, _, _, ok in results] == [
         ("replicate", "20", "OK"), ("fully_shard", "20", "OK")], out.stdout
     assert all(float(err) <= float(tol) for _, _, err, tol, _ in results)
+    assert out.stdout.count("2 calls verified against the eager reference (verify=2)") == 2, out.stdout
     assert "collectives per step" in out.stdout
     dumps = Path(re.search(r"^graph dumps: (.+)$", out.stdout, re.M).group(1))
     try:

@@ -112,6 +112,8 @@ RANKS = {
     ("README.md", "import torch"): ((), ""),
     ("docs/user_guide.md", "import torch"): ((), ""),
     ("docs/user_guide.md", "import copy"): ((), ""),
+    ("docs/user_guide.md", '@spmd_compile(DataParallel("fully_shard"), verify=3, verify_every=100)'):
+        ((("docs/user_guide.md", "import torch"),), ""),
     ("docs/fully_shard.md", 'with torch.device("meta"):'): ((), ""),
     ("docs/training_features.md", "from torch.distributed.fsdp import MixedPrecisionPolicy"): ((), ""),
     ("docs/training_features.md", '@spmd_compile(DataParallel("fully_shard"))'): ((), ""),

@@ -22,7 +22,7 @@ FENCE = "torch_internals"  # spmd_compiler/torch_internals.py: torch's private n
 # top-level module; passes/ installs as spmd_compiler.passes.
 LAYERS = (
     ("__init__", "__main__", "cli", "memory"),  # the face: entry points and re-exports
-    ("api",),  # the decorator and CompiledStep: the only room that sees every phase
+    ("api", "verify"),  # the decorator and CompiledStep, the only room that sees every phase; its oracle
     ("build",),  # a recording turned into a program, once per compile
     ("trace", "observe"),  # recording the step; looking at programs (neither imports the other)
     ("runtime",),  # what runs on every call
