@@ -94,6 +94,7 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
     "refuse_reentrant_checkpoint", "size_oblivious_reshape", "symbolic_floats_unhashable",
+    "lstm_recorded_for_training",
     "tag_regions", "direct_op_calls",
     # block reuse (spmd_compiler/trace/block_reuse.py)
     "BLOCK_REUSE_OFF_ENV", "block_reuse_enabled", "proxy_node", "bind_proxy", "untraced", "sym_node",
@@ -400,6 +401,20 @@ def _unhashable_if_symbolic(original):
         return original(self)
 
     return __hash__
+
+
+@contextlib.contextmanager
+def lstm_recorded_for_training():
+    """While recording: mkldnn off, so that ``aten.lstm``'s decomposition records the recurrent
+    layers it can differentiate. With mkldnn on, an input that needs no gradient makes it pick
+    ``mkldnn_rnn_layer`` with ``train=False``, whose backward then fails ("Expected a proper
+    Tensor but got None ... 'workspace'")."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 @contextlib.contextmanager

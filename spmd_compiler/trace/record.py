@@ -47,6 +47,7 @@ from ..torch_internals import (
     backed_size_oblivious,
     compiling_forward,
     symbolic_floats_unhashable,
+    lstm_recorded_for_training,
     faster_symbolic_recording,
     get_proxy_mode,
     pytree,
@@ -553,7 +554,7 @@ def _make_fx(step: _StatelessStep, fake_mode, args: list, codes: dict,
         # batch of one runs the same graph and the guards stay the batch dims' equalities.
         with fake_mode, backed_size_oblivious(), \
                 faster_symbolic_recording(), size_oblivious_reshape(), halo_convolution(), \
-                symbolic_floats_unhashable():
+                symbolic_floats_unhashable(), lstm_recorded_for_training():
             return record(step, sa.module, codes, seen)(*args)
     except SPMDError:
         raise
