@@ -8,17 +8,19 @@ The seed spelling ``compile(parallel_mode=...)(train_step)`` is the same thing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import time
+import types
 from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .build import cache, shared_compile
-from .build.pipeline import BuildOptions, build_program, dump_dir_for_compile, info
+from .build.pipeline import STAGES, BuildOptions, build_program, dump_dir_for_compile, info
 from .build.program_check import agree_on_program, describe_graph, describe_program
 from .errors import NoProcessGroupError, SPMDError
 from .features.accumulation import KeptGradients
@@ -46,7 +48,7 @@ from .state.eager import attach as attach_eager_use, refuse_bound
 from .state.placement import communication_failures, place_state
 from .trace import guards
 from .trace.dynamic_dims import InputShapeHistory
-from .verify import checked_call, verification as checks_asked
+from .verify import Variants, checked_call, verification as checks_asked
 
 log = logging.getLogger("spmd_compiler")
 
@@ -210,7 +212,21 @@ def _checked(step: CompiledStep, sa: StepArgs, mesh):
     compiled = step.compile_count
     return checked_call(step.fn, sa, mesh_group(mesh), _unverifiable(step, sa),
                         lambda: step._run(sa, mesh), step.verification,
-                        lambda: step.compile_count != compiled, step.parallel_mode.broadcast_buffers)
+                        lambda: step.compile_count != compiled, step.parallel_mode.broadcast_buffers,
+                        _variants(step))
+
+
+def _variants(step: CompiledStep) -> Variants:
+    """The step compiled again with other options, for verify's diagnosis."""
+    def make(_no_transformation: bool = False, **options) -> CompiledStep:
+        return CompiledStep(step.fn, dataclasses.replace(step.parallel_mode, **options),
+                            backend=step.backend, check_ranks=step.check_ranks, mesh=step.mesh,
+                            gm_transformation=None if _no_transformation else step.gm_transformation,
+                            retain_host_memory=step.retain_host_memory)
+
+    applies = types.SimpleNamespace(mode=step.parallel_mode)
+    return Variants(make, step.gm_transformation is not None,
+                    tuple(s.name for s in STAGES if s.optional and s.applies(applies)))
 
 
 def _unverifiable(step: CompiledStep, sa: StepArgs) -> str | None:

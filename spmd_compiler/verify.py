@@ -81,12 +81,24 @@ def _env_int(name: str) -> int:
         raise SPMDError(f"{name}={raw!r} is not a number of calls") from None
 
 
+@dataclass
+class Variants:
+    """How to compile the step again for the diagnosis: ``make(**DataParallel options)`` gives
+    a new compiled step; ``transformed``: the step has a ``gm_transformation``."""
+
+    make: Callable[..., Callable]
+    transformed: bool
+    optional_stages: tuple[str, ...]
+
+
 def checked_call(fn: Callable, sa, group, why_not: str | None, compiled_call: Callable,
-                 check: Verification, fresh: Callable[[], bool], broadcast_buffers: bool = True):
+                 check: Verification, fresh: Callable[[], bool], broadcast_buffers: bool = True,
+                 variants: Variants | None = None):
     """Run ``compiled_call()`` checked against the eager reference of ``fn`` on ``sa``'s
     state (runtime.call_args.StepArgs); ``group``: the data-parallel ranks; ``why_not``: why
     this call cannot be checked (then it only runs); ``fresh()``: was the program that ran
-    compiled by this call? ``broadcast_buffers``: as DDP's option of that name."""
+    compiled by this call? ``broadcast_buffers``: as DDP's option of that name; ``variants``:
+    for the diagnosis of a difference (:func:`_diagnosis`)."""
     if why_not is not None:
         if check.skipped_why != why_not:
             log.info("spmd_compiler: verify skips calls of %s: %s", _name(fn), why_not)
@@ -94,6 +106,7 @@ def checked_call(fn: Callable, sa, group, why_not: str | None, compiled_call: Ca
         return compiled_call()
     modules = _modules(sa)
     rng = torch.get_rng_state()
+    before = _state(modules, sa.optimizers)
     expected, ref_out = _reference(fn, sa, modules, group, broadcast_buffers)
     torch.set_rng_state(rng)
     out = compiled_call()
@@ -101,8 +114,150 @@ def checked_call(fn: Callable, sa, group, why_not: str | None, compiled_call: Ca
     problems = _differences(expected, got, check)
     problems += _differences(_outputs(ref_out), _outputs(out), check, what="returned value")
     check.checked += 1
-    _raise_on_every_rank(problems, group, fn, check, fresh())
+    if _any_rank(bool(problems), group):
+        was_fresh = fresh()
+        diagnosis = _diagnosis(fn, sa, modules, group, before, expected, rng, check, was_fresh,
+                               variants) if variants is not None else ""
+        _write(modules, sa.optimizers, got)  # the compiled call's result, as it left it
+        _raise_on_every_rank(problems, group, fn, check, was_fresh, diagnosis)
     return out
+
+
+def _any_rank(flag: bool, group) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def _diagnosis(fn, sa, modules, group, before, expected, rng, check: Verification,
+               fresh: bool, variants: Variants) -> str:
+    """Where the difference comes from: the call run again from the state before it, compiled
+    afresh (a stale program then agrees); then with every shortcut and optional stage off at
+    once, and if that agrees with one at a time; then without the user's ``gm_transformation``.
+    The first variant that agrees with the reference on every rank is named."""
+    every = ",".join(variants.optional_stages)
+    alone = [("with block reuse off (SPMD_NO_BLOCK_REUSE=1)", {"SPMD_NO_BLOCK_REUSE": "1"}, {}),
+             ("with the optimizer recorded as written (DataParallel(fuse_optimizer=False))", {},
+              {"fuse_optimizer": False})]
+    alone += [(f"with stage {name!r} off (SPMD_DISABLE_PASSES={name})",
+               {"SPMD_DISABLE_PASSES": name}, {}) for name in variants.optional_stages]
+    plan = [] if fresh else [("compiled afresh from the Python values the step reads now", {}, {})]
+    plan.append(("with every shortcut and optional stage off", {
+        "SPMD_NO_BLOCK_REUSE": "1", "SPMD_DISABLE_PASSES": every}, {"fuse_optimizer": False}))
+    for label, env, options in plan:
+        agrees = _agrees(fn, sa, modules, group, before, expected, rng, check, variants, env,
+                         options)
+        if isinstance(agrees, str):
+            return f" The diagnosis could not run ({label}: {agrees})."
+        if agrees and label.startswith("compiled afresh"):
+            return (" Compiled afresh from the Python values the step reads now, the call "
+                    "agrees: the program that ran was stale (a Python value it read changed "
+                    "unseen since it was compiled).")
+        if agrees:
+            for one, env1, options1 in alone:
+                if _agrees(fn, sa, modules, group, before, expected, rng, check, variants, env1,
+                           options1) is True:
+                    return f" The call agrees {one}: the difference comes from there."
+            return (" The call agrees with every shortcut and optional stage off, but with no "
+                    "single one off: several of them together make the difference.")
+    if variants.transformed and _agrees(fn, sa, modules, group, before, expected, rng, check,
+                                        variants, {}, {"_no_transformation": True}) is True:
+        return " The call agrees without the gm_transformation: the difference comes from there."
+    return (" With every shortcut and optional stage off it still differs: the recording "
+            "itself does.")
+
+
+def _agrees(fn, sa, modules, group, before, expected, rng, check: Verification,
+            variants: Variants, env: dict, options: dict) -> bool | str:
+    """Run the call again from ``before``, compiled with ``env`` set and ``options``: does every
+    rank agree with ``expected``? (A string: why it could not run.)"""
+    from .trace.side_effects import step_constants, watch
+    from .torch_internals import user_line_here
+
+    args, kwargs = pytree.tree_unflatten(sa.leaves, sa.spec)
+    failure = None
+    try:
+        _write(modules, sa.optimizers, before)
+        torch.set_rng_state(rng)
+        with _environment({**env, "SPMD_CACHE_DIR": None}), watch(
+                fn, sa.module, sa.optimizers, step_constants(sa), user_line_here, into=[]):
+            variants.make(**options)(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a diagnosis that cannot run says so
+        failure = f"{type(e).__name__}: {e}"
+    if _any_rank(failure is not None, group):  # every rank stops trying together
+        return failure or "it failed on another rank"
+    return not _any_rank(bool(_differences(expected, _state(modules, sa.optimizers), check)),
+                         group)
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _live(modules, optimizers) -> dict[str, Any]:
+    """The live tensors (or (state dict, key) of a non-tensor state entry) under :func:`_state`'s
+    names."""
+    out: dict[str, Any] = {}
+    names: dict[int, str] = {}
+    for label, m in modules:
+        for n, p in m.named_parameters():
+            names.setdefault(id(p), f"{label}.{n}")
+            out[f"parameter {label}.{n}"] = p
+        for n, b in m.named_buffers():
+            out[f"buffer {label}.{n}"] = b
+    for k, opt in enumerate(optimizers):
+        for gi, g in enumerate(opt.param_groups):
+            for j, p in enumerate(g["params"]):
+                who = names.get(id(p), f"group {gi} parameter {j}")
+                st = opt.state.get(p, {})
+                for key in st:
+                    out[f"optimizer {k} state {key} of {who}"] = (st, key)
+    return out
+
+
+def _write(modules, optimizers, values: dict[str, Any]) -> None:
+    """Write ``values`` (full tensors by :func:`_state`'s names) into the live state in place."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from .torch_internals import local_tensor
+
+    for name, live in _live(modules, optimizers).items():
+        if isinstance(live, tuple):  # an optimizer state entry: made by the call, or written
+            state, key = live
+            if name not in values:
+                del state[key]
+                continue
+            if not isinstance(state[key], torch.Tensor):
+                state[key] = values[name]
+                continue
+            live = state[key]
+        if name not in values:
+            continue
+        value = values[name]
+        if isinstance(live, DTensor):
+            local = distribute_tensor(value.to(live.dtype), live.device_mesh, live.placements)
+            with torch.no_grad():
+                local_tensor(live).copy_(local_tensor(local))
+        else:
+            with torch.no_grad():
+                live.copy_(value)
+    for opt in optimizers:  # parameters whose state the call made
+        for p in [p for p, st in opt.state.items() if not st]:
+            del opt.state[p]
 
 
 def _name(fn: Callable) -> str:
@@ -266,12 +421,8 @@ def _differences(expected: dict, got: dict, check: Verification,
 
 
 def _raise_on_every_rank(problems: list, group, fn: Callable, check: Verification,
-                         fresh: bool) -> None:
-    """Every rank learns whether any rank found a difference; then every rank raises."""
-    flag = torch.tensor([1.0 if problems else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not flag.item():
-        return
+                         fresh: bool, diagnosis: str) -> None:
+    """Every rank raises, naming the differences of a rank that found some."""
     texts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(texts, [t for _, t in problems[:5]], group=group)
     rank = dist.get_rank(group)
@@ -279,15 +430,9 @@ def _raise_on_every_rank(problems: list, group, fn: Callable, check: Verificatio
     found = sorted(r for r, t in enumerate(texts) if t)
     first = mine[0] if mine else texts[found[0]][0]
     shown = "\n".join(f"  - {t}" for t in (mine or texts[found[0]]))
-    stale = "" if fresh else (
-        " The program that ran was compiled at an earlier call: if a Python value the step reads "
-        "changed since (a global, an attribute, a closure, a function swapped), the program may "
-        "be stale, and compiling afresh (a new spmd_compile of the step) would show it.")
+    stale = "" if fresh else " The program that ran was compiled at an earlier call."
     raise DivergenceError(
         f"verify: call {check.calls} of {_name(fn)} differs from the step run eagerly with DDP's "
-        f"semantics (on rank(s) {found}): {first}.{stale}\nDifferences on rank "
-        f"{rank if mine else found[0]}:\n{shown}\nTo find the cause: SPMD_DISABLE_PASSES=<stage> "
-        f"turns off one optional stage, SPMD_NO_BLOCK_REUSE=1 records every repeated block "
-        f"plainly, DataParallel(fuse_optimizer=False) records the optimizer as written; rerun with "
-        f"verify to see whether the difference goes away (docs/user_guide.md, 'When a result "
-        f"looks wrong').")
+        f"semantics (on rank(s) {found}): {first}.{stale}{diagnosis}\nDifferences on rank "
+        f"{rank if mine else found[0]}:\n{shown}\nThe model and optimizer hold the compiled "
+        f"call's result (docs/user_guide.md, 'When a result looks wrong').")

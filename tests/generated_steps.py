@@ -329,8 +329,10 @@ def check_job(path: str, style: str) -> dict:
 def check(pools: dict, c: Case, style: str) -> str | None:
     """None if the case trains as the oracle in ``style``, else what went wrong, with the
     command that reproduces it."""
+    from tests import generated_steps  # the importable module, also when run as __main__
+
     path = written(c)
-    results = pools[c.world].run(check_job, path, style, timeout=600)
+    results = pools[c.world].run(generated_steps.check_job, path, style, timeout=600)
     errors = [r["error"] for r in results if r["error"]]
     if not errors:
         return None

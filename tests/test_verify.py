@@ -7,10 +7,11 @@ DDP's semantics (spmd_compiler/verify.py).
   ``SPMD_VERIFY`` turns checks on without touching the code; the checked calls train exactly as
   unchecked ones do (same parameters as a run without verify).
 - A wrong program is caught at its first checked call, on every rank, naming the first
-  differing parameter: a ``gm_transformation`` that drops the gradients' averaging (each rank
-  then trains on its own gradient), and a step whose Python value changes unseen between calls
-  (a dataclass argument mutated in place) is either compiled again or raises: it never trains
-  on silently.
+  differing parameter and where the difference comes from: a ``gm_transformation`` that drops
+  the gradients' averaging (each rank then trains on its own gradient: the call agrees without
+  it), and a step whose Python value changes unseen between calls (a dataclass argument mutated
+  in place) is either compiled again or raises naming the stale program: it never trains on
+  silently.
 - Bad values of ``verify`` are refused.
 """
 
@@ -175,6 +176,7 @@ def test_wrong_program_raises_on_every_rank_naming_the_parameter(pool2):
         assert "call 1 of penalty_step differs from the step run eagerly" in res["error"], res
         assert "parameter model.0.weight: max abs difference" in res["error"], res["error"]
         assert "on rank(s) [0, 1]" in res["error"], res["error"]
+        assert "The call agrees without the gm_transformation" in res["error"], res["error"]
 
 
 def changed_value_job(style: str) -> dict:
@@ -212,6 +214,7 @@ def test_value_changed_unseen_never_trains_on_silently(pool2, style):
         if res["caught_at"] is not None:
             assert res["caught_at"] == 2, res
             assert "compiled at an earlier call" in res["error"], res["error"]
+            assert "the program that ran was stale" in res["error"], res["error"]
         else:
             assert res["worst"] < 1e-5, res
 
