@@ -94,7 +94,7 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
     "refuse_reentrant_checkpoint", "size_oblivious_reshape", "symbolic_floats_unhashable",
-    "lstm_recorded_for_training",
+    "lstm_recorded_for_training", "gradient_resets",
     "tag_regions", "direct_op_calls",
     # block reuse (spmd_compiler/trace/block_reuse.py)
     "BLOCK_REUSE_OFF_ENV", "block_reuse_enabled", "proxy_node", "bind_proxy", "untraced", "sym_node",
@@ -401,6 +401,36 @@ def _unhashable_if_symbolic(original):
         return original(self)
 
     return __hash__
+
+
+@contextlib.contextmanager
+def gradient_resets(on_reset: Callable[[torch.Tensor], None]):
+    """While recording: ``on_reset(p)`` for every reset of a fake parameter's gradient the step
+    makes: ``p.grad = ...`` (``zero_grad()``'s default sets None), and every parameter of an
+    optimizer's or a module's ``zero_grad()`` (``set_to_none=False`` zeroes in place)."""
+    slot = torch._C.TensorBase.grad
+
+    def set_grad(self, value):
+        on_reset(self)
+        slot.__set__(self, value)
+
+    def zeroing(original, params_of):
+        def zero_grad(self, *args, **kwargs):
+            for p in params_of(self):
+                on_reset(p)
+            return original(self, *args, **kwargs)
+        return zero_grad
+
+    FakeTensor.grad = property(slot.__get__, set_grad)
+    try:
+        with _swapped(torch.optim.Optimizer, "zero_grad", zeroing(
+                torch.optim.Optimizer.zero_grad,
+                lambda opt: [p for g in opt.param_groups for p in g["params"]])), \
+                _swapped(torch.nn.Module, "zero_grad", zeroing(
+                    torch.nn.Module.zero_grad, lambda m: list(m.parameters()))):
+            yield
+    finally:
+        del FakeTensor.grad
 
 
 @contextlib.contextmanager

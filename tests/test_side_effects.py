@@ -489,3 +489,57 @@ def test_a_long_compile_prints_one_line_and_why_it_compiled_again(pool2):
     assert "compiled again because the batch's dtypes, devices or dimensions changed" in lines[2]
     assert ("compiled again because argument 2[0] has size 7 in dim 1; the program was compiled "
             "for size 5 there") in lines[3], lines[3]
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients carried from one call into the next
+
+
+def _no_reset_step(model, opt, batch):
+    loss = _loss(model, batch)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _reset_at_end_step(model, opt, batch):
+    loss = _loss(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def carried_gradients_job(style: str) -> dict:
+    """A step that never resets its gradients would, eagerly, add each call's gradient to the
+    next call's: refused, naming the parameters and the step; one that resets them at its end
+    trains as DDP."""
+    from spmd_compiler import DataParallel, spmd_compile
+    from spmd_compiler.errors import UnsupportedError
+
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    model, opt, ref, ref_opt = _models(sgd)
+    out = {"error": None}
+    try:
+        spmd_compile(DataParallel(style))(_no_reset_step)(model, opt, _batch(0))
+    except UnsupportedError as e:
+        out["error"] = str(e)
+    out["untouched"] = all(p.grad is None for p in model.parameters())
+    step = spmd_compile(DataParallel(style))(_reset_at_end_step)
+    check = ParityChecker(RTOL, ATOL)
+    for i in range(STEPS):
+        step(model, opt, _batch(i))
+        _reset_at_end_step(ref, ref_opt, _batch(i))
+        _compare(check, model, opt, ref, ref_opt, f"step {i}")
+    out["problems"] = check.problems
+    return out
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_gradients_carried_across_calls_are_refused(pool2, style):
+    for res in pool2.run(carried_gradients_job, style):
+        assert res["error"] is not None, "a step carrying gradients into the next call compiled"
+        assert "_no_reset_step" in res["error"] and "a.weight" in res["error"], res["error"]
+        assert "zero_grad()" in res["error"] and "no_sync()" in res["error"], res["error"]
+        assert res["untouched"]
+        assert not res["problems"], res["problems"][:5]

@@ -48,6 +48,7 @@ from ..torch_internals import (
     compiling_forward,
     symbolic_floats_unhashable,
     lstm_recorded_for_training,
+    gradient_resets,
     faster_symbolic_recording,
     get_proxy_mode,
     pytree,
@@ -71,6 +72,7 @@ from . import guards, replay
 from ..features.mixed_precision import cast_forward
 from ..features import subclass_params as subclasses
 from ..features.accumulation import ACCUMULATE, accumulating
+from .carried_grads import GradientResets
 from ..runtime.signature import StepSignature, TracedStep, split_inputs
 from ..features import tensor_parallel as tp
 from ..features.halo_conv import halo_convolution
@@ -462,6 +464,8 @@ class _StatelessStep:
         by_name.update({n: buffer_of[id(b)] for n, b in _slots(sa.module, st.named_buffers)})
         state_by_key = dict(zip([k for k, _ in st.states], states))
         trainable = [fp for fp in params if fp.requires_grad]
+        fqn_of_fake = {id(fp): st.fqn_of[id(p)] for p, fp in zip(st.params, params)}
+        resets = GradientResets(fqn_of_fake, self.grad_nodes)
         regions = tag_regions(meta.REGION, meta.Region.FORWARD, meta.Region.BACKWARD,
                               meta.Region.OPTIMIZER, meta.STEPPED)
         with _reparametrize_module(sa.module, by_name, strict=False), regions, \
@@ -478,9 +482,12 @@ class _StatelessStep:
                     {st.fqn_of[id(p)]: fp for p, fp in zip(st.params, params)},
                     self.subclasses.shard, self.mp_policy, self.grad_nodes,
                     self.subclasses.described)):
-            out = self.fn(*call_args, **call_kwargs)
+            with gradient_resets(resets.reset):
+                out = self.fn(*call_args, **call_kwargs)
+            if not self.accumulation:
+                resets.check([(fqn_of_fake[id(fp)], fp) for fp in trainable], sa.optimizers,
+                             _step_where(self.fn))
             grads_out = [fp.grad for fp in trainable] if self.accumulation == ACCUMULATE else []
-            fqn_of_fake = {id(fp): st.fqn_of[id(p)] for p, fp in zip(st.params, params)}
             new_states = self._new_states(fqn_of_fake, state_by_key)
         out_leaves, self.out_spec = pytree.tree_flatten(out)
         self.out_constants = {
@@ -865,6 +872,15 @@ def _describe_trace_failure(e: Exception) -> str:
             f"unique) at {where} cannot be compiled: {first_line}"
         )
     return f"recording the step failed at {where}: {type(e).__name__}: {first_line}"
+
+
+def _step_where(fn: Callable) -> str:
+    """``name (File "...", line N)`` of the step's function."""
+    from .side_effects import unwrapped
+
+    code = getattr(unwrapped(fn), "__code__", None)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return f'{name} (File "{code.co_filename}", line {code.co_firstlineno})' if code else name
 
 
 def _gradients_read(gm, nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
