@@ -6,9 +6,10 @@ cross-entropy, their sum), an optimizer as users write it (SGD with or without m
 nesterov, Adam, AdamW; foreach, fused or default; unusual betas, weight decay, two param groups),
 and what else real loops do: a gradient penalty (``autograd.grad(create_graph=True)``), a second
 module and optimizer (a GAN whose generator's forward is reused after the critic's step), an EMA
-copy (lerp or foreach), clipping, a scheduler stepped inside the step, a frozen layer, and a
-Python value the step reads changed between calls (a global number, a module attribute, a
-config object replaced).
+copy (lerp or foreach), clipping, a scheduler stepped inside the step, a frozen layer, autocast
+to bfloat16, and a Python value the step reads changed between calls (a global number, a module
+attribute, a config object replaced, a closure's list, a layer unfrozen) or differing across
+ranks.
 
 :func:`script` writes a case as a standalone script: run directly it spawns two gloo ranks; the
 tests import it in their workers (:func:`check_job`). Each call of the compiled step is checked
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import random
@@ -35,8 +37,9 @@ MODELS = ("mlp", "conv", "tokens", "attention", "rnn")
 LOSSES = ("mse", "ce", "both")
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
 IMPLS = ("default", "foreach", "fused")
-EXTRAS = ("penalty", "gan", "ema_lerp", "ema_foreach", "clip", "scheduler", "frozen", "groups")
-CHANGES = (None, "global", "attribute", "config_replaced")
+EXTRAS = ("penalty", "gan", "ema_lerp", "ema_foreach", "clip", "scheduler", "frozen", "groups",
+          "autocast")
+CHANGES = (None, "global", "attribute", "config_replaced", "closure", "unfreeze", "per_rank")
 STEPS = 3
 
 
@@ -174,6 +177,15 @@ def _loss_source(c: Case) -> str:
     return {"mse": mse, "ce": ce, "both": f"{mse} + 0.5 * {ce}"}[c.loss]
 
 
+def _tolerance(c: Case) -> tuple | None:
+    """verify's tolerance: the default, but under bfloat16 autocast the compiled and the eager
+    step round differently; Adam then turns a near-zero gradient's rounding into an update of
+    either sign (up to 2 x lr = 2e-2 apart)."""
+    if "autocast" not in c.extras:
+        return None
+    return (2e-2, 2.5e-2) if c.optimizer in ("adam", "adamw") else (2e-2, 2e-3)
+
+
 def script(c: Case) -> str:
     """The case as a standalone script: ``build()`` and, run directly, two gloo ranks."""
     e = set(c.extras)
@@ -181,14 +193,20 @@ def script(c: Case) -> str:
               "{'params': [p for n, p in model.named_parameters() if p.ndim <= 1], "
               "'weight_decay': 0.0}]" if "groups" in e else "model.parameters()")
     weight = {None: "1.0", "global": "WEIGHT", "attribute": "model.aux_weight",
-              "config_replaced": "CFG.weight"}[c.change]
+              "config_replaced": "CFG.weight", "closure": "scale[0]", "unfreeze": "1.0",
+              "per_rank": "WEIGHT"}[c.change]
     lines = [
         "    opt.zero_grad()",
         "    x, y, labels = batch",
     ]
     if "penalty" in e:
         lines += ["    x = x.requires_grad_(True)"]
-    lines += ["    out = model(x)", f"    loss = {weight} * ({_loss_source(c)})"]
+    if "autocast" in e:
+        lines += ["    with torch.autocast('cpu', dtype=torch.bfloat16):",
+                  "        out = model(x).float()"]
+    else:
+        lines += ["    out = model(x)"]
+    lines += [f"    loss = {weight} * ({_loss_source(c)})"]
     if "penalty" in e:
         lines += ["    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)",
                   "    loss = loss + 0.1 * ((gx.flatten(1).norm(2, dim=1) - 1) ** 2).mean()"]
@@ -215,7 +233,10 @@ def script(c: Case) -> str:
     lines += ["    return loss.detach()" + (", d_loss.detach()" if "gan" in e else "")]
     args = ["model", "opt", "batch"] + (["critic", "opt_d"] if "gan" in e else []) + (
         ["ema"] if e & {"ema_lerp", "ema_foreach"} else [])
-    frozen = "\n    model.head.requires_grad_(False)" if "frozen" in e else ""
+    frozen = "\n    model.head.requires_grad_(False)" if "frozen" in e or c.change == "unfreeze" \
+        else ""
+    if c.change == "per_rank":  # a value each rank computes for itself, as DDP runs it
+        frozen += "\n    global WEIGHT\n    WEIGHT = 1.0 + 0.5 * dist.get_rank()"
     sched = ("\n    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)"
              if "scheduler" in e else "")
     critic = ("\n    critic = nn.Sequential(nn.Linear(OUT, 16), nn.LayerNorm(16), nn.GELU(), "
@@ -225,7 +246,10 @@ def script(c: Case) -> str:
         else ""
     change = {None: "", "global": "\n        global WEIGHT\n        WEIGHT = 1.0 + i",
               "attribute": "\n        model.aux_weight = 1.0 + 0.5 * i",
-              "config_replaced": "\n        global CFG\n        CFG = Config(weight=1.0 + i)"}[c.change]
+              "config_replaced": "\n        global CFG\n        CFG = Config(weight=1.0 + i)",
+              "closure": "\n        scale[0] = 1.0 + 0.5 * i",
+              "unfreeze": "\n        if i == 1:\n            model.head.requires_grad_(True)",
+              "per_rank": ""}[c.change]
     return f'''"""Generated training step: {c}."""
 import copy
 import dataclasses
@@ -256,7 +280,8 @@ def build():
     model = Net()
     model.aux_weight = 1.0{frozen}
     opt = {_optimizer_source(c, params)}{sched}{critic}{ema}
-    step = make_step({"sched" if "scheduler" in e else "None"})
+    scale = [1.0]
+    step = make_step({"sched" if "scheduler" in e else "None"}, scale)
 
     def change(i):{change}
         pass
@@ -264,7 +289,7 @@ def build():
     return step, ({", ".join(a for a in args if a != "batch")}), change
 
 
-def make_step(sched):
+def make_step(sched, scale):
     def train_step({", ".join(args)}):
 {chr(10).join("    " + line for line in lines)}
     return train_step
@@ -275,7 +300,8 @@ def run(style, steps={STEPS}):
     from spmd_compiler import DataParallel, spmd_compile
 
     step, objs, change = build()
-    compiled = spmd_compile(DataParallel(style), verify_every=1)(step)
+    compiled = spmd_compile(DataParallel(style), verify_every=1,
+                            verify_tolerance={_tolerance(c)})(step)
     for i in range(steps):
         change(i)
         batch = data(i, dist.get_rank())
@@ -307,9 +333,10 @@ def written(c: Case) -> str:
     """Write the case's script to a file of its own (kept for reproducing); return its path."""
     folder = os.path.join(tempfile.gettempdir(), "spmd_generated_steps")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"case_{c.seed}.py")
+    text = script(c)
+    path = os.path.join(folder, f"case_{c.seed}_{hashlib.sha1(text.encode()).hexdigest()[:8]}.py")
     with open(path, "w") as f:
-        f.write(script(c))
+        f.write(text)
     return path
 
 

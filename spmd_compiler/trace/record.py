@@ -130,9 +130,14 @@ def fusable(opt: torch.optim.Optimizer, group: dict) -> bool:
     """Can ``group`` of ``opt`` run the fused implementation instead of the one it names?
 
     SGD, Adam and AdamW (exactly these classes: a subclass may change the update) with floating
-    parameters on a device with fused kernels, not ``differentiable`` nor ``capturable``.
+    parameters on a device with fused kernels, not ``differentiable`` nor ``capturable``; SGD with
+    momentum only while its parameters all have a momentum buffer or none does (torch's fused SGD
+    cannot start some buffers: a layer unfrozen after others trained).
     """
     if type(opt) not in FUSABLE_OPTIMIZERS or group.get("differentiable") or group.get("capturable"):
+        return False
+    if type(opt) is torch.optim.SGD and group.get("momentum") and len({
+            "momentum_buffer" in opt.state.get(p, {}) for p in group["params"]}) > 1:
         return False
     if tp.refuses_fusing(opt, group["params"]):  # a tensor-parallel plan's parameters
         return False
