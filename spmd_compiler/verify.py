@@ -107,6 +107,12 @@ def checked_call(fn: Callable, sa, group, why_not: str | None, compiled_call: Ca
     modules = _modules(sa)
     rng = torch.get_rng_state()
     before = _state(modules, sa.optimizers)
+    if check.checked == 0:
+        size = sum(v.numel() * v.element_size() for v in before.values()
+                   if isinstance(v, torch.Tensor))
+        log.info("spmd_compiler: verify: each checked call of %s runs it eagerly once and holds "
+                 "3 full copies of its state on every rank (%.1f MiB each)", _name(fn),
+                 size / 2**20)
     expected, ref_out = _reference(fn, sa, modules, group, broadcast_buffers)
     torch.set_rng_state(rng)
     out = compiled_call()

@@ -12,6 +12,9 @@ DDP's semantics (spmd_compiler/verify.py).
   it), and a step whose Python value changes unseen between calls (a dataclass argument mutated
   in place) is either compiled again or raises naming the stale program: it never trains on
   silently.
+- The oracle itself equals DDP: a GAN step (two modules, two optimizers, a forward reused after
+  the critic's step) run by it matches the same step on DDP-wrapped copies, parameters and
+  optimizer state, and leaves the real modules and optimizers as they were.
 - Bad values of ``verify`` are refused.
 """
 
@@ -243,3 +246,38 @@ def test_bad_verify_values_are_refused(kw):
 
     with pytest.raises(SPMDError, match="count calls"):
         spmd_compile(DataParallel("replicate"), **kw)(penalty_step)
+
+
+def oracle_job() -> dict:
+    """One call of the GAN step by the oracle, and by DDP on copies of the same state (after a
+    first step on both, so that the optimizers have state)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_compiler.runtime.call_args import split_step_args
+    from spmd_compiler.verify import _modules, _reference, _state
+
+    step, objs, data = CASES["gan"]()
+    wrapped = (DDP(objs[0]), DDP(objs[1]), *objs[2:])
+    step(*wrapped, data(0))  # the same first step for both: Adam and momentum state exist
+    ref = copy.deepcopy(objs)
+    wrapped = (DDP(ref[0]), DDP(ref[1]), *ref[2:])
+    before = _state([("module 0", objs[0]), ("module 1", objs[1])], objs[2:])
+    sa = split_step_args((*objs, data(1)), {}, 0, None, step)
+    expected, _ = _reference(step, sa, _modules(sa), dist.group.WORLD, True)
+    step(*wrapped, data(1))
+    got = _state([("module 0", ref[0]), ("module 1", ref[1])], ref[2:])
+    left = _state([("module 0", objs[0]), ("module 1", objs[1])], objs[2:])
+    tensors = [k for k, v in got.items() if isinstance(v, torch.Tensor)]
+    return dict(names_agree=sorted(expected) == sorted(got), entries=len(tensors),
+                worst=max((expected[k] - got[k]).abs().max().item() for k in tensors),
+                moved=max((expected[k] - before[k]).abs().max().item() for k in tensors
+                          if k.startswith("parameter")),
+                untouched=sorted(left) == sorted(before) and all(
+                    torch.equal(left[k], before[k]) for k in tensors))
+
+
+def test_the_oracle_equals_ddp(pool2):
+    for res in pool2.run(oracle_job):
+        assert res["names_agree"] and res["entries"] > 8, res
+        assert res["worst"] < 1e-6 and res["moved"] > 1e-4, res
+        assert res["untouched"], res
