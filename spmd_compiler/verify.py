@@ -15,7 +15,7 @@ On a difference every rank raises ``DivergenceError`` naming the first differing
 whether the program ran was compiled at an earlier call (a Python value the step reads may have
 changed unseen since), and how to narrow it down.
 
-Costs per checked call: one eager run of the step, and two full copies of the parameters,
+Costs per checked call: one eager run of the step, and three full copies of the parameters,
 buffers and optimizer state on every rank (under fully_shard gathered: the model's whole size).
 Calls inside ``no_sync()`` and the call that syncs them, calls under a mixed-precision policy and
 steps with a tensor-parallel plan are not checked (logged once).
