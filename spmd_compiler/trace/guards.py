@@ -262,8 +262,9 @@ def slot(path: tuple, roots: dict, along: list | None = None):
         if step[0] in ("attr", "item"):
             holder = obj if step[0] == "item" or isinstance(obj, dict) else vars(obj)
             obj = holder[step[1]]
-            if along is not None:
-                along.append((holder, step[1], obj))
+            if along is not None:  # (read with ``get``: a list's or tuple's items too)
+                along.append((_Attrs(holder, "seq") if isinstance(holder, (list, tuple))
+                              else holder, step[1], obj))
         elif step[0] == "cell":
             cell = _step(obj, step)
             obj = cell.get(None)
@@ -319,7 +320,8 @@ class ValueGuards:
                 self._checked.append((mapping, key, g.value))
             deps = []
             for holder, k, obj in along:
-                j = index.setdefault((id(holder), k), len(self._objects))
+                j = index.setdefault((type(holder), id(getattr(holder, "obj", holder)), k),
+                                     len(self._objects))
                 if j == len(self._objects):
                     self._objects.append([holder, k, obj])
                 deps.append(j)
