@@ -380,7 +380,7 @@ class ValueGuards:
         h = {f"h{i}": v for i, v in enumerate(numbers)}
         for path, code in assignments:
             mapping, key = slots[path]
-            mapping[key] = eval(_compiled(code), {"math": math}, h)  # noqa: S307
+            mapping[key] = eval(_compiled(code), {"math": math, "torch": torch}, h)  # noqa: S307
 
     def changed(self) -> list[tuple[ValueGuard, Any]]:
         """(guard, current value) of every guard that fails."""
