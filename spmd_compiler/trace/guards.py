@@ -63,6 +63,7 @@ import torch
 
 from ..runtime.call_args import group_inputs
 from ..runtime.dispatch import is_plain
+from ..torch_internals import tensor_hooks
 from .reads import expanded, functions_of, is_user_file, resolve
 
 
@@ -176,6 +177,20 @@ class _CodeOf:
         return default if fn is None else code_id(fn.__code__)
 
 
+class _Hooks:
+    """The hooks ``register_hook`` put on a module's own parameter, as a mapping from their
+    position (a parameter replaced since, or its hooks, re-resolve the paths through them)."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module, name: str):
+        self.module, self.name = module, name
+
+    def get(self, k, default=_MISSING):
+        hooks = tensor_hooks(self.module._parameters.get(self.name))
+        return hooks[k] if k < len(hooks) else default
+
+
 class _Cell:
     """A closure cell as a one-entry mapping (the guards read every value with ``get``)."""
 
@@ -265,6 +280,13 @@ def slot(path: tuple, roots: dict, along: list | None = None):
             if along is not None:  # (read with ``get``: a list's or tuple's items too)
                 along.append((_Attrs(holder, "seq") if isinstance(holder, (list, tuple))
                               else holder, step[1], obj))
+        elif step[0] == "hook":
+            hooks = _Hooks(obj, step[1][0])
+            obj = hooks.get(step[1][1])
+            if obj is _MISSING:
+                raise LookupError(f"no hook {step[1]}")
+            if along is not None:
+                along.append((hooks, step[1][1], obj))
         elif step[0] == "cell":
             cell = _step(obj, step)
             obj = cell.get(None)
@@ -600,6 +622,7 @@ class _Collector:
         for path, m in sa.module.named_modules(remove_duplicate=False):
             head = (("model",), ("sub", path)) if path else (("model",),)
             self._object(m, "model" + (f".{path}" if path else ""), head, 1, module=True)
+            self._hooks(m, "model" + (f".{path}" if path else ""), head)
         if ("self",) in self.roots:
             self._object(self.roots[("self",)], "self", (("self",),), 1)
         fn = self.roots[("fn",)]
@@ -620,6 +643,15 @@ class _Collector:
             if is_user_file(code.co_filename):
                 self._globals(code, g)
         self._environment()
+
+    def _hooks(self, m: torch.nn.Module, name: str, path: tuple) -> None:
+        """The closures of the gradient hooks on ``m``'s own parameters (seed 000's
+        ``grad.redistribute(placements=dist_spec)``), which run in the recorded backward."""
+        for pname, p in m._parameters.items():
+            for k, hook in enumerate(tensor_hooks(p) if p is not None else ()):
+                if isinstance(hook, types.FunctionType):
+                    self._closure(hook, f"{name}.{pname}.<hook {k}>",
+                                  path + (("hook", (pname, k)),), 2)
 
     def _globals(self, code, g: dict) -> None:
         module = g.get("__name__")
@@ -651,7 +683,7 @@ class _Collector:
             self._add(f"os.environ[{k!r}]", (("environ",), ("item", k)), value, k)
 
     def _value(self, v, name: str, path: tuple, depth: int, attr: str) -> None:
-        if is_plain(v):
+        if is_plain(v) or _by_value(v):
             self._add(name, path, v, attr)
         elif isinstance(v, type) and depth < _MAX_DEPTH and _user_class(v):
             self._class(v, name, path, depth + 1)
@@ -834,6 +866,14 @@ class _Collector:
             line = _line_reading(code, attr)
             return f'File "{code.co_filename}", line {line}, in {code.co_name}'
         return "<unknown location>"
+
+
+def _by_value(v) -> bool:
+    """Immutable torch values a guard compares by equality: a dtype, a device, a DTensor
+    placement (a closure over ``[Replicate()]``)."""
+    from torch.distributed.tensor import Placement
+
+    return isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format, Placement))
 
 
 def _function_of(v) -> types.FunctionType | None:
