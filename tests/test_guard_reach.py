@@ -208,6 +208,38 @@ def case_dataclass_mutated(rep):
     _run(rep, functools.partial(cfg_step, cfg=cfg), change)
 
 
+@dataclass
+class AuxCfg:
+    aux_w: float
+
+
+def cfg_arg_step(model, optim, batch, cfg):
+    optim.zero_grad()
+    x, y = batch
+    out = model(x)
+    loss = F.mse_loss(out, y) + cfg.aux_w * out.pow(2).mean()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def case_dataclass_argument_mutated(rep):
+    """The same dataclass object passed on every call, one field assigned before step 2."""
+    from tests.test_robustness import compare, with_ddp
+
+    model, opt, compiled, ddp, ref_opt = with_ddp("replicate", Lin, _sgd, cfg_arg_step)
+    cfg, ref_cfg = AuxCfg(0.0), AuxCfg(0.0)
+    counts = []
+    for i in range(4):
+        if i == 2:
+            cfg.aux_w = ref_cfg.aux_w = 2.0
+        compiled(model, opt, xy(i), cfg)
+        cfg_arg_step(ddp, ref_opt, xy(i), ref_cfg)
+        counts.append(compiled.compile_count)
+        compare(rep, f"step {i}", model, opt, ddp.module, ref_opt)
+    rep.facts["counts"] = counts
+
+
 # ---------------------------------------------------------------------------------------------
 # Functions swapped: a global, an argparse.Namespace in the closure, a model attribute, torch's
 
@@ -303,13 +335,10 @@ def case_torch_function_patched(rep):
     _run(rep, plain_step, change, model_fn=Gelu, undo=lambda: setattr(F, "gelu", original))
 
 
-CASES = {k[len("case_"):]: v for k, v in dict(globals()).items() if k.startswith("case_")}
-
-
 def case_job(name: str) -> dict:
     rep = Report()
     try:
-        CASES[name](rep)
+        globals()[f"case_{name}"](rep)
     except Exception as e:  # noqa: BLE001 - reported per case
         rep.facts["exception"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         dist.barrier()
@@ -336,6 +365,7 @@ EXPECTED = {
     "global_tensor": [1, 1, 2, 2],
     "dataclass_tensor_field": [1, 1, 2, 2],
     "dataclass_mutated": [1, 1, 2, 2],
+    "dataclass_argument_mutated": [1, 1, 2, 2],
     "global_function_swapped": [1, 1, 2, 2],
     "global_builtin_swapped": [1, 1, 2, 2],
     "namespace_getattr": [1, 1, 2, 2],
@@ -354,3 +384,30 @@ def test_a_counter_set_by_a_helper_trains_as_ddp(pool2):
     for rep in _case(pool2, "counter_helper"):
         assert rep["facts"]["calls"] == 5
         assert rep["facts"]["counts"][-1] <= 3, rep["facts"]["counts"]
+
+
+
+DEEP = {"a": {"b": {"c": {"d": torch.linspace(1.0, 2.0, 8)}}}}  # deeper than guards follow
+
+
+def deep_tensor_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = F.mse_loss(model(x) * DEEP["a"]["b"]["c"]["d"], y)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def case_unreached_tensor(rep):
+    def change(m, r):
+        DEEP["a"]["b"]["c"]["d"] = torch.linspace(3.0, 4.0, 8)
+
+    saved = DEEP["a"]["b"]["c"]["d"]
+    _run(rep, deep_tensor_step, change, undo=lambda: DEEP["a"]["b"]["c"].__setitem__("d", saved))
+
+
+def test_a_tensor_no_guard_reaches_serves_one_call(pool2):
+    """Matches DDP, recompiling on every call (logged once), never a stale constant."""
+    for rep in _case(pool2, "unreached_tensor"):
+        assert rep["facts"]["counts"] == [1, 2, 3, 4], rep["facts"]["counts"]

@@ -191,6 +191,33 @@ class _Hooks:
         return hooks[k] if k < len(hooks) else default
 
 
+class _DigestOf:
+    """A plain tensor's values (``tensor_digest``) as a one-entry mapping, recomputed only when
+    its version counter moved (an in-place change)."""
+
+    __slots__ = ("t", "version", "digest")
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.version, self.digest = t, None, None
+
+    def get(self, _key, default=_MISSING):
+        version = self.t._version
+        if version != self.version:
+            self.version, self.digest = version, tensor_digest(self.t)
+        return self.digest
+
+
+def tensor_digest(t: torch.Tensor) -> tuple:
+    """(dtype, shape, a hash of the bytes) of a plain tensor: equal in another process for the
+    same values."""
+    import hashlib
+
+    data = t.detach().contiguous().cpu().reshape(-1)
+    raw = data.view(torch.uint8) if data.numel() else data
+    return (str(t.dtype), tuple(t.shape), hashlib.blake2b(raw.numpy().tobytes(), digest_size=16)
+            .hexdigest())
+
+
 class _Cell:
     """A closure cell as a one-entry mapping (the guards read every value with ``get``)."""
 
@@ -225,6 +252,11 @@ def step_roots(fn: Callable, sa) -> dict:
         roots[("self",)] = fn  # a callable object: its __call__ reads its attributes
     for k, opt in enumerate(sa.optimizers):
         roots[("optimizer", k)] = opt
+    skip = {*sa.input_indices, *sa.module_indices, *sa.optimizer_indices}
+    for j, leaf in enumerate(sa.leaves):  # an object argument (a config, a dataclass)
+        if j not in skip and not is_plain(leaf) and hasattr(leaf, "__dict__") \
+                and not isinstance(leaf, type):
+            roots[("arg", j)] = leaf
     roots[("environ",)] = os.environ
     module = getattr(fn, "__globals__", {}).get("__name__")
     if isinstance(module, str):  # (the launched script's globals may not be its module's dict)
@@ -302,6 +334,10 @@ def slot(path: tuple, roots: dict, along: list | None = None):
     last = steps[-1]
     if last[0] == "code":
         return _CodeOf(obj), None
+    if last[0] == "digest":
+        if type(obj) is not torch.Tensor:
+            raise LookupError("no longer a plain tensor")
+        return _DigestOf(obj), None
     if last[0] == "cell":
         return _step(obj, last), None
     if last[0] == "len":
@@ -539,12 +575,13 @@ def substituted(paths: list[tuple], roots: dict, values: list):
 
 
 def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = (),
-            reads=None) -> tuple[list[ValueGuard], list[str]]:
+            reads=None, gm=None) -> tuple[list[ValueGuard], list[str]]:
     """The guards of a recording of ``fn`` on ``sa`` whose stacks held ``codes`` (code object
     -> its globals) and which read ``reads`` (spmd_compiler/trace/reads.py: the attributes of
     the model's modules and of the step's instance, the code that read them, the environment), the
     ``lifted`` paths first (in order, as program inputs); and the source files of every code it
-    considered."""
+    considered. A plain tensor the recording ``gm`` holds as a constant (a ``get_attr`` node)
+    that no guard's path reaches makes the program serve one call."""
     roots = step_roots(fn, sa)
     outer, frame = set(), sys._getframe(1)
     while frame is not None:  # the caller's code, on every recorded stack, read nothing inside
@@ -559,6 +596,8 @@ def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = (),
         if len(c.codes) == before:
             break
     c.unreached_closures(set(ran) - outer)
+    if gm is not None:
+        c.unreached_tensors(gm)
     out = []
     for p in lifted:
         mapping, key = slot(p, roots)
@@ -589,6 +628,9 @@ class _Collector:
         self._seen_objects: set[int] = set()
         self._reached: set = set()  # code objects whose closure cells are guarded by a path
         self._model_modules = {id(m) for m in roots[("model",)].modules()}
+        # tensors that are the step's state or inputs, not constants (set by ``walk``)
+        self._state: set[int] = set()
+        self._constants: set[int] = set()  # plain tensors guarded by their values
         fn = roots[("fn",)]
         if not isinstance(fn, types.FunctionType):
             fn = getattr(type(fn), "__call__", None)
@@ -619,6 +661,10 @@ class _Collector:
 
     def walk(self, sa, lifted) -> None:
         self._seen_objects.clear()
+        model = sa.module
+        self._state = {id(t) for t in (*model.parameters(), *model.buffers(), *sa.leaves,
+                                       *(v for opt in sa.optimizers for st in opt.state.values()
+                                         for v in st.values()))}
         for path, m in sa.module.named_modules(remove_duplicate=False):
             head = (("model",), ("sub", path)) if path else (("model",),)
             self._object(m, "model" + (f".{path}" if path else ""), head, 1, module=True)
@@ -628,6 +674,9 @@ class _Collector:
         fn = self.roots[("fn",)]
         if isinstance(fn, types.FunctionType):
             self._closure(fn, fn.__qualname__, (("fn",),), 1)
+        for head, obj in self.roots.items():
+            if head[0] == "arg":
+                self._value(obj, sa.leaf_name(head[1]), (head,), 1, str(head[1]))
         for head in (("partial", "args"), ("partial", "keywords")):
             if head in self.roots:
                 self._container(self.roots[head], f"the step's partial {head[1]}", (head,), 1)
@@ -685,6 +734,11 @@ class _Collector:
     def _value(self, v, name: str, path: tuple, depth: int, attr: str) -> None:
         if is_plain(v) or _by_value(v):
             self._add(name, path, v, attr)
+        elif type(v) is torch.Tensor:  # a constant of the program: guarded by its values
+            if id(v) not in self._state and not v.is_meta and not v.requires_grad:
+                self._constants.add(id(v))
+                self._add(f"{name} (its values)", path + (("digest", None),), tensor_digest(v),
+                          attr)
         elif isinstance(v, type) and depth < _MAX_DEPTH and _user_class(v):
             self._class(v, name, path, depth + 1)
         elif depth < _MAX_DEPTH and not isinstance(v, (torch.Tensor, type)):
@@ -833,6 +887,22 @@ class _Collector:
                     self._unguardable(f"closure variable {var!r} of {code.co_qualname}",
                                       f'File "{code.co_filename}", line {code.co_firstlineno}')
                     return
+
+    def unreached_tensors(self, gm) -> None:
+        """A tensor the step read as a constant (one it did not make: ``lift_fresh_copy`` marks
+        those) that no path reaches: cannot be guarded."""
+        for node in gm.graph.nodes:
+            if node.op != "get_attr" or all(
+                    u.target is torch.ops.aten.lift_fresh_copy.default for u in node.users):
+                continue
+            value = getattr(gm, node.target, None)
+            if type(value) is torch.Tensor and id(value) not in self._constants:
+                where = next((u.meta.get("stack_trace") for u in node.users
+                              if u.meta.get("stack_trace")), None)
+                line = where.strip().splitlines()[-2].strip() if where else "<unknown location>"
+                self._unguardable(f"a tensor of shape {tuple(value.shape)} that is not a "
+                                  "parameter, buffer or argument (pass it as an argument, or "
+                                  "register it as a buffer)", line)
 
     def _unguardable(self, what: str, where: str) -> None:
         path = (("unguardable",), ("item", what))
