@@ -67,7 +67,8 @@ class CompiledStep:
                  dump_dir: str | None = None,
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
                  check_ranks: bool = True, retain_host_memory: bool = True,
-                 cache_dir: str | None = None, mesh=None, verification=None):
+                 cache_dir: str | None = None, mesh=None, verification=None,
+                 recompile_limit: int | None = None):
         self._data_mesh = DataParallelDims(parallel_mode)  # (mesh, step args) -> dims left to dp
         parallel_mode = self._data_mesh.mode  # none given: replicate, or a plan over every dim alone
         _check_options(parallel_mode, backend, mesh)
@@ -94,6 +95,8 @@ class CompiledStep:
         self.last_compiled: CompiledGraph | None = None
         self._kept, self._lifts = KeptGradients(), guards.LiftPolicy()  # no_sync; read numbers
         self.verification = verification or checks_asked(None, None, None)
+        self.recompile_limit = guards.recompile_limit(recompile_limit)
+        self._reasons: list[str] = []  # why each program was compiled (the limit's error)
 
     def no_sync(self):
         """Calls inside this block run forward and backward only, gradients accumulating with the
@@ -139,6 +142,7 @@ class CompiledStep:
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
         why_again = _why_again(self, key, sa)
+        guards.refuse_past_limit(self.__name__, self.recompile_limit, self._reasons, why_again)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
@@ -159,6 +163,7 @@ class CompiledStep:
         elif isinstance(description, Exception):
             raise description
         entry = self._install(sa, mesh, ready)
+        self._reasons.append(why_again or "the first call")
         compile_log.announce(self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
                              ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
@@ -446,7 +451,8 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
                  dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True,
                  retain_host_memory: bool = True, cache_dir: str | None = None, mesh=None,
                  verify: int | None = None, verify_every: int | None = None,
-                 verify_tolerance: tuple[float, float] | None = None):
+                 verify_tolerance: tuple[float, float] | None = None,
+                 recompile_limit: int | None = None):
     """Decorator: compile a single-device training step for data parallelism.
 
     Args:
@@ -484,6 +490,9 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             ``DivergenceError`` on every rank (spmd_compiler/verify.py, docs/user_guide.md).
         verify_every: after those, check every ``verify_every``-th call (``SPMD_VERIFY_EVERY``).
         verify_tolerance: ``(rtol, atol)`` of the comparison, default ``(1e-4, 1e-5)``.
+        recompile_limit: the most programs the step may compile (also ``SPMD_RECOMPILE_LIMIT``;
+            default 8, as torch.compile's): one more raises ``RecompileLimitError`` on every
+            rank, naming why each program was compiled.
     """
     if mesh is not None:
         check_mesh(parallel_mode or DataParallel("replicate"), mesh)
@@ -493,7 +502,7 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
         return CompiledStep(fn, parallel_mode, backend=backend, dump_dir=dump_dir,
                             gm_transformation=gm_transformation, check_ranks=check_ranks,
                             retain_host_memory=retain_host_memory, cache_dir=cache_dir, mesh=mesh,
-                            verification=checks)
+                            verification=checks, recompile_limit=recompile_limit)
 
     return decorate
 

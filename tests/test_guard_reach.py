@@ -411,3 +411,43 @@ def test_a_tensor_no_guard_reaches_serves_one_call(pool2):
     """Matches DDP, recompiling on every call (logged once), never a stale constant."""
     for rep in _case(pool2, "unreached_tensor"):
         assert rep["facts"]["counts"] == [1, 2, 3, 4], rep["facts"]["counts"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The recompile limit
+
+TAG = "a0"
+
+
+def tag_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = F.mse_loss(model(x), y) * (2.0 if TAG.endswith("!") else 1.0)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def case_recompile_limit(rep):
+    """A string the step reads, changed before every call, with a limit of 3 programs."""
+    import os
+
+    def change(i):
+        global TAG
+        TAG = f"a{i}"
+
+    os.environ["SPMD_RECOMPILE_LIMIT"] = "3"
+    try:
+        parity_run(rep, "replicate", Lin, _sgd, tag_step, [xy(i) for i in range(6)],
+                   before_each=lambda i, *_: change(i), stop_on_error=True)
+    finally:
+        del os.environ["SPMD_RECOMPILE_LIMIT"]
+        change(0)
+
+
+def test_a_step_past_its_recompile_limit_raises_on_every_rank(pool2):
+    for rep in _case(pool2, "recompile_limit"):
+        step, kind, message, _ = rep["facts"]["raised"]
+        assert (step, kind) == (3, "RecompileLimitError"), rep["facts"]["raised"]
+        assert "TAG changed 'a2' -> 'a3'" in message and "program 3" in message, message
+        assert rep["facts"]["untouched"] == [], rep["facts"]["untouched"]

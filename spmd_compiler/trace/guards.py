@@ -1041,6 +1041,36 @@ def bind(traced, fn: Callable, sa) -> ValueGuards:
     return ValueGuards(traced.value_guards, step_roots(fn, sa))
 
 
+RECOMPILE_LIMIT = 8  # programs per compiled step, as torch.compile's ``recompile_limit``
+
+
+def recompile_limit(given: int | None) -> int:
+    """The limit a step was given, else ``SPMD_RECOMPILE_LIMIT``, else ``RECOMPILE_LIMIT``."""
+    if given is None:
+        given = int(os.environ.get("SPMD_RECOMPILE_LIMIT", RECOMPILE_LIMIT))
+    if given < 1:
+        raise ValueError(f"recompile_limit must be at least 1, not {given}")
+    return given
+
+
+def refuse_past_limit(name: str, limit: int, reasons: list[str], why: str | None) -> None:
+    """Raise RecompileLimitError when a step that has ``len(reasons)`` programs (``reasons``:
+    why each was compiled) would compile one more (for ``why``) past ``limit``. Every rank
+    holds the same number of programs, so every rank raises on the same call."""
+    if len(reasons) < limit:
+        return
+    from ..errors import RecompileLimitError
+
+    lines = [f"  program {k + 1}: {r}" for k, r in enumerate(reasons)]
+    raise RecompileLimitError(
+        f"{name} would compile a program {len(reasons) + 1}, past its recompile limit of "
+        f"{limit} (spmd_compile(recompile_limit=...) or SPMD_RECOMPILE_LIMIT). Why each was "
+        "compiled:\n" + "\n".join(lines) + f"\n  now: {why or 'no reason found'}\n"
+        "A value that changes on every call should reach the step as a tensor argument (or "
+        "a number the step reads, which becomes an input of the program); a read that cannot "
+        "be guarded (logged as a warning) makes every program serve one call.")
+
+
 def recompile_reason(programs: list, key: tuple, policy: LiftPolicy) -> str | None:
     """Which Python values read by the newest of ``programs`` (runtime.program.CompiledGraph) for the
     static ``key`` changed, for the log; the numbers among them are lifted by ``policy`` from
