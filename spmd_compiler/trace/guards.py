@@ -48,6 +48,7 @@ uses where it must be a constant (a size, a branch) is kept as a constant and gu
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dis
 import functools
@@ -99,6 +100,11 @@ _COMPUTED_NAMES = frozenset({"getattr", "hasattr", "vars", "__dict__", "attrgett
 # module attributes that are structure (in the step's static key) or bookkeeping, not values
 _SKIPPED_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training", "_spmd_eager"})
 _NUMBERS = (int, float)
+# objects that are only their attributes (``getattr(args, f"{k}_weight")`` reads any of them)
+_ATTRIBUTE_BAGS = (argparse.Namespace, types.SimpleNamespace)
+# torch's public namespaces whose functions users patch (``F.gelu = ...``): the functions the
+# code that ran names in them are guarded by identity, torch's own code's calls included
+_PATCHED_MODULES = ("torch.nn.functional",)
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,36 @@ def tensor_digest(t: torch.Tensor) -> tuple:
             .hexdigest())
 
 
+def callable_id(fn) -> tuple:
+    """Which function ``fn`` is, comparable in another process: a Python function by its code,
+    a built-in by its module and name, a ``functools.partial`` by its function and plain
+    arguments (others by identity, which no other process matches)."""
+    if isinstance(fn, types.FunctionType):
+        return code_id(fn.__code__)
+    if isinstance(fn, functools.partial):
+        plain = lambda x: x if is_plain(x) or _by_value(x) else ("object", id(x))  # noqa: E731
+        return ("partial", callable_id(fn.func), tuple(map(plain, fn.args)),
+                tuple(sorted((k, plain(v)) for k, v in fn.keywords.items())))
+    if isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        owner = getattr(fn, "__self__", None)
+        owner = owner.__name__ if isinstance(owner, types.ModuleType) else type(owner).__qualname__
+        return ("builtin", getattr(fn, "__module__", None), owner, fn.__qualname__)
+    return ("object", id(fn))
+
+
+class _CallableOf:
+    """The function at a path (``callable_id``) as a one-entry mapping."""
+
+    __slots__ = ("holder", "key")
+
+    def __init__(self, holder, key):
+        self.holder, self.key = holder, key
+
+    def get(self, _key, default=_MISSING):
+        fn = self.holder.get(self.key, _MISSING)
+        return default if fn is _MISSING else callable_id(fn)
+
+
 class _Cell:
     """A closure cell as a one-entry mapping (the guards read every value with ``get``)."""
 
@@ -332,6 +368,8 @@ def slot(path: tuple, roots: dict, along: list | None = None):
         else:
             obj = _step(obj, step)
     last = steps[-1]
+    if last[0] == "callable":
+        return _CallableOf(*slot(path[:-1], roots)), None
     if last[0] == "code":
         return _CodeOf(obj), None
     if last[0] == "digest":
@@ -691,7 +729,23 @@ class _Collector:
         for code, g in list(self.codes.items()):
             if is_user_file(code.co_filename):
                 self._globals(code, g)
+        self._patchable()
         self._environment()
+
+    def _patchable(self) -> None:
+        """The functions of ``_PATCHED_MODULES`` that any code that ran names, by identity."""
+        for module_name in _PATCHED_MODULES:
+            module = sys.modules.get(module_name)
+            if module is None:
+                continue
+            attrs = vars(module)
+            names = {n for c in self.codes for n in c.co_names if n in attrs}
+            for n in sorted(names):
+                v = attrs[n]
+                if callable(v) and not isinstance(v, (type, types.ModuleType)):
+                    self._add(f"{module_name}.{n}",
+                              (("global", module_name), ("item", n), ("callable", None)),
+                              callable_id(v), n, where=f"the step calls {module_name}.{n}")
 
     def _hooks(self, m: torch.nn.Module, name: str, path: tuple) -> None:
         """The closures of the gradient hooks on ``m``'s own parameters (seed 000's
@@ -742,11 +796,11 @@ class _Collector:
         elif isinstance(v, type) and depth < _MAX_DEPTH and _user_class(v):
             self._class(v, name, path, depth + 1)
         elif depth < _MAX_DEPTH and not isinstance(v, (torch.Tensor, type)):
-            if isinstance(v, types.FunctionType):
-                if is_user_file(v.__code__.co_filename):  # which function: by its code
-                    self._add(f"{name}.__code__", path + (("code", None),), code_id(v.__code__),
-                              attr)
+            if isinstance(v, types.FunctionType):  # which function: by its code
+                self._add(f"{name}.__code__", path + (("code", None),), code_id(v.__code__), attr)
                 self._closure(v, name, path, depth + 1)
+            elif isinstance(v, (functools.partial, types.BuiltinFunctionType)):
+                self._add(name, path + (("callable", None),), callable_id(v), attr)
             elif isinstance(v, types.ModuleType):
                 if is_user_file(getattr(v, "__file__", None) or "<"):
                     self._object(v, name, path, depth + 1)
@@ -806,7 +860,8 @@ class _Collector:
         """An object whose attribute reads were not watched: the attributes user code names,
         through the type and its MRO (user classes), absent ones included."""
         attrs = vars(obj)
-        every = self.computed_names and len(attrs) <= 256 and _user_class(type(obj))
+        every = self.computed_names and len(attrs) <= 256 and (
+            _user_class(type(obj)) or type(obj) in _ATTRIBUTE_BAGS)
         named = attrs.keys() if every else self.names
         for n in named & attrs.keys():
             if n in _SKIPPED_ATTRS or (module and "hook" in n):
