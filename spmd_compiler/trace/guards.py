@@ -244,14 +244,16 @@ def callable_id(fn) -> tuple:
 class _CallableOf:
     """The function at a path (``callable_id``) as a one-entry mapping."""
 
-    __slots__ = ("holder", "key")
+    __slots__ = ("holder", "key", "fn", "id")
 
     def __init__(self, holder, key):
-        self.holder, self.key = holder, key
+        self.holder, self.key, self.fn, self.id = holder, key, _MISSING, None
 
     def get(self, _key, default=_MISSING):
         fn = self.holder.get(self.key, _MISSING)
-        return default if fn is _MISSING else callable_id(fn)
+        if fn is not self.fn:  # (the same function as last time: its id is known)
+            self.fn, self.id = fn, default if fn is _MISSING else callable_id(fn)
+        return self.id
 
 
 class _Cell:
