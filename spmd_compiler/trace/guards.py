@@ -20,9 +20,15 @@ weight, a closure variable, an attribute of a bound-method step's instance, an o
 - the environment variables the user's code read;
 - every entry of the optimizers' ``param_groups`` but ``params`` and the lifted learning rate,
 
+- the step's object arguments (a dataclass passed on every call), and the closures of the
+  gradient hooks on the model's parameters;
+- the functions of ``torch.nn.functional`` that any code that ran names (a user may patch them);
+
 the plain values (but names the code that ran assigns: state the step writes, which
 spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enum members and
-tuples of them. Each is a ``ValueGuard``: its name as the user would write it, a path from the
+tuples of them, DTensor placements, dtypes and devices; functions by which function they are
+(``callable_id``: library functions, built-ins and partials too); plain tensors by their values
+(``tensor_digest``, hashed again only when the version counter moves). Each is a ``ValueGuard``: its name as the user would write it, a path from the
 step's roots to it (valid in another process: the disk cache and the shared compile check
 programs with the same guards on the rank that runs them), the value at recording and the line
 that read it. Objects and modules along the way are followed three levels deep; each object a
