@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import dis
 import functools
 import logging
@@ -297,9 +298,11 @@ def step_roots(fn: Callable, sa) -> dict:
     for k, opt in enumerate(sa.optimizers):
         roots[("optimizer", k)] = opt
     skip = {*sa.input_indices, *sa.module_indices, *sa.optimizer_indices}
-    for j, leaf in enumerate(sa.leaves):  # an object argument (a config, a dataclass)
-        if j not in skip and not is_plain(leaf) and hasattr(leaf, "__dict__") \
-                and not isinstance(leaf, type):
+    for j, leaf in enumerate(sa.leaves):  # a config argument: a dataclass, a namespace, an
+        # object of the user's class (a library's object, as a scheduler, is read as its own)
+        if j not in skip and not isinstance(leaf, type) and hasattr(leaf, "__dict__") and (
+                dataclasses.is_dataclass(leaf) or type(leaf) in _ATTRIBUTE_BAGS
+                or _user_class(type(leaf))):
             roots[("arg", j)] = leaf
     roots[("environ",)] = os.environ
     module = getattr(fn, "__globals__", {}).get("__name__")
