@@ -451,3 +451,42 @@ def test_a_step_past_its_recompile_limit_raises_on_every_rank(pool2):
         assert (step, kind) == (3, "RecompileLimitError"), rep["facts"]["raised"]
         assert "TAG changed 'a2' -> 'a3'" in message and "program 3" in message, message
         assert rep["facts"]["untouched"] == [], rep["facts"]["untouched"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reads that differ across ranks: the program one rank built is not used where they differ
+
+def case_rank1_patches_gelu(rep):
+    original = F.gelu
+    if dist.get_rank() == 1:
+        F.gelu = lambda x, approximate="none": original(x, approximate="tanh")
+    try:
+        _run(rep, plain_step, model_fn=Gelu, steps=3)
+    finally:
+        F.gelu = original
+
+
+def environ_get_step(model, optim, batch):
+    import os
+
+    optim.zero_grad()
+    x, y = batch
+    loss = F.mse_loss(model(x), y) * float(os.environ.get("SPMD_TEST_GUARD_SCALE", "1.0"))
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def case_environ_get_per_rank(rep):
+    import os
+
+    os.environ["SPMD_TEST_GUARD_SCALE"] = str(1.0 + 2 * dist.get_rank())
+    try:
+        _run(rep, environ_get_step, steps=3)
+    finally:
+        del os.environ["SPMD_TEST_GUARD_SCALE"]
+
+
+@pytest.mark.parametrize("name", ["rank1_patches_gelu", "environ_get_per_rank"])
+def test_a_read_that_differs_on_one_rank_matches_ddp(pool2, name):
+    _case(pool2, name)
