@@ -223,21 +223,36 @@ def cfg_arg_step(model, optim, batch, cfg):
     return loss
 
 
-def case_dataclass_argument_mutated(rep):
-    """The same dataclass object passed on every call, one field assigned before step 2."""
+def _argument_run(rep, step, make_cfg, change):
+    """Train against DDP passing the same ``make_cfg()`` object on every call (one per side),
+    calling ``change(cfg)`` on both before step 2."""
     from tests.test_robustness import compare, with_ddp
 
-    model, opt, compiled, ddp, ref_opt = with_ddp("replicate", Lin, _sgd, cfg_arg_step)
-    cfg, ref_cfg = AuxCfg(0.0), AuxCfg(0.0)
+    model, opt, compiled, ddp, ref_opt = with_ddp("replicate", Lin, _sgd, step)
+    cfg, ref_cfg = make_cfg(), make_cfg()
     counts = []
     for i in range(4):
         if i == 2:
-            cfg.aux_w = ref_cfg.aux_w = 2.0
+            change(cfg)
+            change(ref_cfg)
         compiled(model, opt, xy(i), cfg)
-        cfg_arg_step(ddp, ref_opt, xy(i), ref_cfg)
+        step(ddp, ref_opt, xy(i), ref_cfg)
         counts.append(compiled.compile_count)
         compare(rep, f"step {i}", model, opt, ddp.module, ref_opt)
     rep.facts["counts"] = counts
+
+
+def case_dataclass_argument_mutated(rep):
+    """The same dataclass object passed on every call, one field assigned before step 2."""
+    _argument_run(rep, cfg_arg_step, lambda: AuxCfg(0.0), lambda c: setattr(c, "aux_w", 2.0))
+
+
+def case_dataclass_argument_tensor_in_place(rep):
+    """A tensor field of a dataclass argument, changed in place before step 2."""
+    def change(c):
+        c.target_scale.mul_(0.5)
+
+    _argument_run(rep, cfg_step, lambda: LossCfg(0.0, torch.full((8,), 2.0)), change)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +381,7 @@ EXPECTED = {
     "dataclass_tensor_field": [1, 1, 2, 2],
     "dataclass_mutated": [1, 1, 2, 2],
     "dataclass_argument_mutated": [1, 1, 2, 2],
+    "dataclass_argument_tensor_in_place": [1, 1, 2, 2],
     "global_function_swapped": [1, 1, 2, 2],
     "global_builtin_swapped": [1, 1, 2, 2],
     "namespace_getattr": [1, 1, 2, 2],
