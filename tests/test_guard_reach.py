@@ -33,7 +33,7 @@ class Lin(nn.Module):
         return self.lin(x)
 
 
-def _run(rep, step, change=None, at=2, steps=4, model_fn=Lin, undo=None, **kw):
+def _run(rep, step, change=None, at=2, steps=4, model_fn=Lin, undo=None, mode="replicate", **kw):
     """Train ``steps`` steps against DDP, calling ``change(model, ddp_module)`` before step
     ``at``."""
     def before_each(i, model, ddp, opt, ref_opt):
@@ -41,7 +41,7 @@ def _run(rep, step, change=None, at=2, steps=4, model_fn=Lin, undo=None, **kw):
             change(model, ddp.module)
 
     try:
-        parity_run(rep, "replicate", model_fn, _sgd, step, [xy(i) for i in range(steps)],
+        parity_run(rep, mode, model_fn, _sgd, step, [xy(i) for i in range(steps)],
                    before_each=before_each, **kw)
     finally:
         if undo is not None:
@@ -165,6 +165,14 @@ def case_tensor_attribute(rep):
             net.freqs = torch.linspace(2.0, 3.0, 8)
 
     _run(rep, plain_step, change, model_fn=Rotary)
+
+
+def case_tensor_attribute_fully_shard(rep):
+    def change(m, r):
+        for net in (m, r):
+            net.freqs = torch.linspace(2.0, 3.0, 8)
+
+    _run(rep, plain_step, change, model_fn=Rotary, mode="fully_shard")
 
 
 def case_tensor_attribute_in_place(rep):
@@ -377,6 +385,7 @@ EXPECTED = {
     "function_list_appended": [1, 1, 2, 2],
     "tensor_attribute": [1, 1, 2, 2],
     "tensor_attribute_in_place": [1, 1, 2, 2],
+    "tensor_attribute_fully_shard": [1, 1, 2, 2],
     "global_tensor": [1, 1, 2, 2],
     "dataclass_tensor_field": [1, 1, 2, 2],
     "dataclass_mutated": [1, 1, 2, 2],
