@@ -396,6 +396,7 @@ EXPECTED = {
     "namespace_getattr": [1, 1, 2, 2],
     "partial_attribute_replaced": [1, 1, 2, 2],
     "torch_function_patched": [1, 1, 2, 2],
+    "default_dtype": [1, 1, 2, 2],
 }
 
 
@@ -476,6 +477,22 @@ def test_a_step_past_its_recompile_limit_raises_on_every_rank(pool2):
         assert (step, kind) == (3, "RecompileLimitError"), rep["facts"]["raised"]
         assert "TAG changed 'a2' -> 'a3'" in message and "program 3" in message, message
         assert rep["facts"]["untouched"] == [], rep["facts"]["untouched"]
+
+
+def constant_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = F.mse_loss(model(x), y) * torch.tensor(1 / 3)  # of torch's default dtype
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def case_default_dtype(rep):
+    try:
+        _run(rep, constant_step, lambda m, r: torch.set_default_dtype(torch.bfloat16))
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------

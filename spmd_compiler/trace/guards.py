@@ -317,9 +317,21 @@ def _unwrap(fn: Callable) -> Callable:
     return fn
 
 
+class _TorchDefaults:
+    """torch's global defaults a recording depends on, as a mapping (``torch.set_default_dtype``
+    between calls makes ``torch.tensor(0.5)`` another dtype)."""
+
+    _READ = {"default_dtype": torch.get_default_dtype}
+
+    def get(self, key, default=_MISSING):
+        return self._READ[key]()
+
+
 def _root(head: tuple, roots: dict):
     if head in roots:
         return roots[head]
+    if head == ("torch",):
+        return _TorchDefaults()
     if head[0] == "unguardable":
         raise LookupError("a read that cannot be guarded")
     if head[0] == "global":
@@ -395,6 +407,8 @@ def slot(path: tuple, roots: dict, along: list | None = None):
         raise LookupError("a path ends at a class")
     if isinstance(obj, (list, tuple)):
         return _Attrs(obj, "seq"), last[1]
+    if isinstance(obj, _TorchDefaults):
+        return obj, last[1]
     if last[0] == "item" or isinstance(obj, dict) or obj is os.environ:
         return obj, last[1]
     if isinstance(obj, type):
@@ -742,6 +756,8 @@ class _Collector:
                 self._globals(code, g)
         self._patchable()
         self._environment()
+        self._add("torch.get_default_dtype()", (("torch",), ("item", "default_dtype")),
+                  torch.get_default_dtype(), "default_dtype", where="torch's default dtype")
 
     def _patchable(self) -> None:
         """The functions of ``_PATCHED_MODULES`` that any code that ran names, by identity."""
