@@ -116,6 +116,40 @@ def case_counter_helper(rep):
     rep.facts["calls"] = rep.facts["model"].calls
 
 
+class Stats:
+    """A plain object the model holds, updated by the forward."""
+
+    def __init__(self):
+        self.n = 0
+        self.scale = 1.0
+
+    def update(self):
+        self.n += 1
+        self.scale = 1.0 + 0.1 * self.n
+
+
+class WithStats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(50, 8)
+        self.stats = Stats()
+
+    def forward(self, x):
+        self.stats.update()
+        return self.lin(x) * self.stats.scale
+
+
+def case_held_object_updated(rep):
+    _run(rep, plain_step, model_fn=WithStats, steps=5)
+    rep.facts["calls"] = rep.facts["model"].stats.n
+
+
+def test_a_held_object_the_forward_updates_trains_as_ddp(pool2):
+    for rep in _case(pool2, "held_object_updated"):
+        assert rep["facts"]["calls"] == 5
+        assert rep["facts"]["counts"][-1] <= 3, rep["facts"]["counts"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Plain tensors the step reads: an attribute that is not a buffer, a global, a dataclass field
 
