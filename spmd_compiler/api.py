@@ -67,8 +67,7 @@ class CompiledStep:
                  dump_dir: str | None = None,
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
                  check_ranks: bool = True, retain_host_memory: bool = True,
-                 cache_dir: str | None = None, mesh=None, verification=None,
-                 recompile_limit: int | None = None):
+                 cache_dir: str | None = None, mesh=None, verification=None, recompile_limit=None):
         self._data_mesh = DataParallelDims(parallel_mode)  # (mesh, step args) -> dims left to dp
         parallel_mode = self._data_mesh.mode  # none given: replicate, or a plan over every dim alone
         _check_options(parallel_mode, backend, mesh)
@@ -93,10 +92,8 @@ class CompiledStep:
         self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
-        self._kept, self._lifts = KeptGradients(), guards.LiftPolicy()  # no_sync; read numbers
+        self._kept, self._lifts = KeptGradients(), guards.LiftPolicy(recompile_limit)  # no_sync
         self.verification = verification or checks_asked(None, None, None)
-        self.recompile_limit = guards.recompile_limit(recompile_limit)
-        self._reasons: list[str] = []  # why each program was compiled (the limit's error)
 
     def no_sync(self):
         """Calls inside this block run forward and backward only, gradients accumulating with the
@@ -141,8 +138,7 @@ class CompiledStep:
         """Build the program (or load it from the disk cache), check that every rank has the
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
-        why_again = _why_again(self, key, sa)
-        guards.refuse_past_limit(self.__name__, self.recompile_limit, self._reasons, why_again)
+        why_again = _why_within_limit(self, key, sa)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
@@ -163,7 +159,6 @@ class CompiledStep:
         elif isinstance(description, Exception):
             raise description
         entry = self._install(sa, mesh, ready)
-        self._reasons.append(why_again or "the first call")
         compile_log.announce(self.__name__, self.parallel_mode.parallel_style, ready.num_nodes,
                              ready.seconds, stored is not None, why_again)
         self.cache_hits += stored is not None
@@ -295,6 +290,13 @@ def _why_again(step: CompiledStep, key: tuple, sa: StepArgs,
     return (guards.recompile_reason(step._programs, key, step._lifts)
             or compile_log.guard_miss(step._programs, key, sa)
             or static(step._last_key, key))
+
+
+def _why_within_limit(step: CompiledStep, key: tuple, sa: StepArgs) -> str | None:
+    """``_why_again``, or RecompileLimitError where one more program passes the step's
+    recompile limit (guards.within_limit)."""
+    return guards.within_limit(step.__name__, step._lifts, len(step._programs),
+                               _why_again(step, key, sa))
 
 
 def _why(old: tuple, new: tuple) -> str:

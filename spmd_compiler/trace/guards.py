@@ -572,11 +572,17 @@ def flat_numbers(values: Iterable) -> list:
 class LiftPolicy:
     """Which numbers a step's next recording takes as program inputs: those whose guard failed
     (a value that changed once may change again; a tuple of numbers, as ``betas``, entry by
-    entry), unless a recording had to keep them constant."""
+    entry), unless a recording had to keep them constant; and why each of the step's programs
+    was compiled, at most ``limit`` of them (``within_limit``)."""
 
-    def __init__(self):
+    def __init__(self, recompile_limit: int | None = None):
         self.lift: list[tuple] = []
         self.constant: set[tuple] = set()
+        if recompile_limit is None:
+            recompile_limit = int(os.environ.get("SPMD_RECOMPILE_LIMIT", RECOMPILE_LIMIT))
+        if recompile_limit < 1:
+            raise ValueError(f"recompile_limit must be at least 1, not {recompile_limit}")
+        self.limit, self.reasons = recompile_limit, []
 
     def recompiled_for(self, changes: list[tuple[ValueGuard, Any]]) -> None:
         for g, now in changes:
@@ -1126,28 +1132,20 @@ def bind(traced, fn: Callable, sa) -> ValueGuards:
 RECOMPILE_LIMIT = 8  # programs per compiled step, as torch.compile's ``recompile_limit``
 
 
-def recompile_limit(given: int | None) -> int:
-    """The limit a step was given, else ``SPMD_RECOMPILE_LIMIT``, else ``RECOMPILE_LIMIT``."""
-    if given is None:
-        given = int(os.environ.get("SPMD_RECOMPILE_LIMIT", RECOMPILE_LIMIT))
-    if given < 1:
-        raise ValueError(f"recompile_limit must be at least 1, not {given}")
-    return given
-
-
-def refuse_past_limit(name: str, limit: int, reasons: list[str], why: str | None) -> None:
-    """Raise RecompileLimitError when a step that has ``len(reasons)`` programs (``reasons``:
-    why each was compiled) would compile one more (for ``why``) past ``limit``. Every rank
-    holds the same number of programs, so every rank raises on the same call."""
-    if len(reasons) < limit:
-        return
+def within_limit(name: str, policy: "LiftPolicy", programs: int, why: str | None) -> str | None:
+    """``why`` a step that holds ``programs`` programs compiles one more, kept in ``policy``;
+    RecompileLimitError when that one would pass the step's limit (``policy.limit``). Every
+    rank holds the same number of programs, so every rank raises on the same call."""
+    policy.reasons[programs:] = [why or "the first call"]
+    if programs < policy.limit:
+        return why
     from ..errors import RecompileLimitError
 
-    lines = [f"  program {k + 1}: {r}" for k, r in enumerate(reasons)]
+    lines = [f"  program {k + 1}: {r}" for k, r in enumerate(policy.reasons[:programs])]
     raise RecompileLimitError(
-        f"{name} would compile a program {len(reasons) + 1}, past its recompile limit of "
-        f"{limit} (spmd_compile(recompile_limit=...) or SPMD_RECOMPILE_LIMIT). Why each was "
-        "compiled:\n" + "\n".join(lines) + f"\n  now: {why or 'no reason found'}\n"
+        f"{name} would compile a program {programs + 1}, past its recompile limit of "
+        f"{policy.limit} (spmd_compile(recompile_limit=...) or SPMD_RECOMPILE_LIMIT). Why each "
+        "was compiled:\n" + "\n".join(lines) + f"\n  now: {why or 'no reason found'}\n"
         "A value that changes on every call should reach the step as a tensor argument (or "
         "a number the step reads, which becomes an input of the program); a read that cannot "
         "be guarded (logged as a warning) makes every program serve one call.")
