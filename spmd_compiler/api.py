@@ -67,7 +67,7 @@ class CompiledStep:
                  dump_dir: str | None = None,
                  gm_transformation: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
                  check_ranks: bool = True, retain_host_memory: bool = True,
-                 cache_dir: str | None = None, mesh=None, verification=None):
+                 cache_dir: str | None = None, mesh=None, verification=None, recompile_limit=None):
         self._data_mesh = DataParallelDims(parallel_mode)  # (mesh, step args) -> dims left to dp
         parallel_mode = self._data_mesh.mode  # none given: replicate, or a plan over every dim alone
         _check_options(parallel_mode, backend, mesh)
@@ -92,7 +92,7 @@ class CompiledStep:
         self.cache_hits = 0  # of those, loaded from the disk cache
         self.last_compile_seconds: float | None = None
         self.last_compiled: CompiledGraph | None = None
-        self._kept, self._lifts = KeptGradients(), guards.LiftPolicy()  # no_sync; read numbers
+        self._kept, self._lifts = KeptGradients(), guards.LiftPolicy(recompile_limit)  # no_sync
         self.verification = verification or checks_asked(None, None, None)
 
     def no_sync(self):
@@ -138,7 +138,7 @@ class CompiledStep:
         """Build the program (or load it from the disk cache), check that every rank has the
         same, then place the live state: a failed compile changes nothing."""
         group = mesh_group(mesh)
-        why_again = _why_again(self, key, sa)
+        why_again = _why_within_limit(self, key, sa)
         check_policy(self.parallel_mode.mp_policy, dist.get_backend(group))
         with communication_failures("the compile-time agreement between ranks"):
             dynamic, why = self._shapes.dims_to_trace(sa, group)
@@ -290,6 +290,13 @@ def _why_again(step: CompiledStep, key: tuple, sa: StepArgs,
     return (guards.recompile_reason(step._programs, key, step._lifts)
             or compile_log.guard_miss(step._programs, key, sa)
             or static(step._last_key, key))
+
+
+def _why_within_limit(step: CompiledStep, key: tuple, sa: StepArgs) -> str | None:
+    """``_why_again``, or RecompileLimitError where one more program passes the step's
+    recompile limit (guards.within_limit)."""
+    return guards.within_limit(step.__name__, step._lifts, len(step._programs),
+                               _why_again(step, key, sa))
 
 
 def _why(old: tuple, new: tuple) -> str:
@@ -446,7 +453,8 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
                  dump_dir: str | None = None, gm_transformation=None, check_ranks: bool = True,
                  retain_host_memory: bool = True, cache_dir: str | None = None, mesh=None,
                  verify: int | None = None, verify_every: int | None = None,
-                 verify_tolerance: tuple[float, float] | None = None):
+                 verify_tolerance: tuple[float, float] | None = None,
+                 recompile_limit: int | None = None):
     """Decorator: compile a single-device training step for data parallelism.
 
     Args:
@@ -484,6 +492,9 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
             ``DivergenceError`` on every rank (spmd_compiler/verify.py, docs/user_guide.md).
         verify_every: after those, check every ``verify_every``-th call (``SPMD_VERIFY_EVERY``).
         verify_tolerance: ``(rtol, atol)`` of the comparison, default ``(1e-4, 1e-5)``.
+        recompile_limit: the most programs the step may compile (also ``SPMD_RECOMPILE_LIMIT``;
+            default 8, as torch.compile's): one more raises ``RecompileLimitError`` on every
+            rank, naming why each program was compiled.
     """
     if mesh is not None:
         check_mesh(parallel_mode or DataParallel("replicate"), mesh)
@@ -493,7 +504,7 @@ def spmd_compile(parallel_mode: DataParallel | None = None, *, backend: str = "e
         return CompiledStep(fn, parallel_mode, backend=backend, dump_dir=dump_dir,
                             gm_transformation=gm_transformation, check_ranks=check_ranks,
                             retain_host_memory=retain_host_memory, cache_dir=cache_dir, mesh=mesh,
-                            verification=checks)
+                            verification=checks, recompile_limit=recompile_limit)
 
     return decorate
 

@@ -62,3 +62,8 @@ class SideEffectError(SPMDError):
 class DivergenceError(SPMDError):
     """``verify``: the compiled step's result differs from the step run eagerly with DDP's
     semantics (spmd_compiler/verify.py)."""
+
+
+class RecompileLimitError(SPMDError):
+    """A step needed more programs than its recompile limit (``recompile_limit=``,
+    ``SPMD_RECOMPILE_LIMIT``, default 8): the error names what changed at each recompile."""

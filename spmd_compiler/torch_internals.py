@@ -962,3 +962,13 @@ def direct_op_calls(run: Callable) -> Callable:
     namespace = dict(fn.__globals__, torch=_DirectOps(torch))
     fast = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     return functools.partial(fast, owner)
+
+
+def sympy_python(expr) -> str:
+    """Python source of a size expression over plain symbols (torch's own printer: it knows
+    ``FloatTrueDiv``, ``ToFloat`` and the other functions symbolic numbers make, which sympy's
+    printer refuses; it may call ``torch.sym_float`` and the like, so evaluate with ``torch``
+    and ``math`` in scope). Floats print as the doubles they are."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    return PythonPrinter().doprint(expr)

@@ -683,7 +683,7 @@ def convnext_job(partition: str):
         chk.check(not any(full(v).any() for v in state.values() if torch.is_tensor(v)),
                   f"{fqn}: the optimizer stepped a parameter without gradient: {state}")
     return dict(problems=chk.problems, max_err=chk.max_err, eager_loss_err=eager_err,
-                counts=collective_nodes(step), unused=len(unused))
+                counts=collective_nodes(step), unused=len(unused), compiles=step.compile_count)
 
 
 @pytest.mark.parametrize("partition", ["own", "seed"])
@@ -692,6 +692,8 @@ def test_convnext_width_sharded(pool2, partition):
     partition function as written leaves copies the forward never uses: unchanged, as eager."""
     reps = run_without_problems(pool2, convnext_job, partition, timeout=600)
     assert (reps[0]["unused"] > 0) == (partition == "seed"), reps[0]["unused"]
+    # the gradient hooks' closure over ``dist_spec`` is guarded by value: one program
+    assert [r["compiles"] for r in reps] == [1, 1], [r["compiles"] for r in reps]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,9 +20,15 @@ weight, a closure variable, an attribute of a bound-method step's instance, an o
 - the environment variables the user's code read;
 - every entry of the optimizers' ``param_groups`` but ``params`` and the lifted learning rate,
 
+- the step's object arguments (a dataclass passed on every call), and the closures of the
+  gradient hooks on the model's parameters;
+- the functions of ``torch.nn.functional`` that any code that ran names (a user may patch them);
+
 the plain values (but names the code that ran assigns: state the step writes, which
 spmd_compiler/trace/side_effects.py replays): numbers, strings, bools, None, enum members and
-tuples of them. Each is a ``ValueGuard``: its name as the user would write it, a path from the
+tuples of them, DTensor placements, dtypes and devices; functions by which function they are
+(``callable_id``: library functions, built-ins and partials too); plain tensors by their values
+(``tensor_digest``, hashed again only when the version counter moves). Each is a ``ValueGuard``: its name as the user would write it, a path from the
 step's roots to it (valid in another process: the disk cache and the shared compile check
 programs with the same guards on the rank that runs them), the value at recording and the line
 that read it. Objects and modules along the way are followed three levels deep; each object a
@@ -48,7 +54,9 @@ uses where it must be a constant (a size, a branch) is kept as a constant and gu
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import dis
 import functools
 import logging
@@ -63,6 +71,7 @@ import torch
 
 from ..runtime.call_args import group_inputs
 from ..runtime.dispatch import is_plain
+from ..torch_internals import tensor_hooks
 from .reads import expanded, functions_of, is_user_file, resolve
 
 
@@ -98,6 +107,11 @@ _COMPUTED_NAMES = frozenset({"getattr", "hasattr", "vars", "__dict__", "attrgett
 # module attributes that are structure (in the step's static key) or bookkeeping, not values
 _SKIPPED_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training", "_spmd_eager"})
 _NUMBERS = (int, float)
+# objects that are only their attributes (``getattr(args, f"{k}_weight")`` reads any of them)
+_ATTRIBUTE_BAGS = (argparse.Namespace, types.SimpleNamespace)
+# torch's public namespaces whose functions users patch (``F.gelu = ...``): the functions the
+# code that ran names in them are guarded by identity, torch's own code's calls included
+_PATCHED_MODULES = ("torch.nn.functional",)
 
 
 @dataclass(frozen=True)
@@ -176,6 +190,79 @@ class _CodeOf:
         return default if fn is None else code_id(fn.__code__)
 
 
+class _Hooks:
+    """The hooks ``register_hook`` put on a module's own parameter, as a mapping from their
+    position (a parameter replaced since, or its hooks, re-resolve the paths through them)."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module, name: str):
+        self.module, self.name = module, name
+
+    def get(self, k, default=_MISSING):
+        hooks = tensor_hooks(self.module._parameters.get(self.name))
+        return hooks[k] if k < len(hooks) else default
+
+
+class _DigestOf:
+    """A plain tensor's values (``tensor_digest``) as a one-entry mapping, recomputed only when
+    its version counter moved (an in-place change)."""
+
+    __slots__ = ("t", "version", "digest")
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.version, self.digest = t, None, None
+
+    def get(self, _key, default=_MISSING):
+        version = self.t._version
+        if version != self.version:
+            self.version, self.digest = version, tensor_digest(self.t)
+        return self.digest
+
+
+def tensor_digest(t: torch.Tensor) -> tuple:
+    """(dtype, shape, a hash of the bytes) of a plain tensor: equal in another process for the
+    same values."""
+    import hashlib
+
+    data = t.detach().contiguous().cpu().reshape(-1)
+    raw = data.view(torch.uint8) if data.numel() else data
+    return (str(t.dtype), tuple(t.shape), hashlib.blake2b(raw.numpy().tobytes(), digest_size=16)
+            .hexdigest())
+
+
+def callable_id(fn) -> tuple:
+    """Which function ``fn`` is, comparable in another process: a Python function by its code,
+    a built-in by its module and name, a ``functools.partial`` by its function and plain
+    arguments (others by identity, which no other process matches)."""
+    if isinstance(fn, types.FunctionType):
+        return code_id(fn.__code__)
+    if isinstance(fn, functools.partial):
+        plain = lambda x: x if is_plain(x) or _by_value(x) else ("object", id(x))  # noqa: E731
+        return ("partial", callable_id(fn.func), tuple(map(plain, fn.args)),
+                tuple(sorted((k, plain(v)) for k, v in fn.keywords.items())))
+    if isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        owner = getattr(fn, "__self__", None)
+        owner = owner.__name__ if isinstance(owner, types.ModuleType) else type(owner).__qualname__
+        return ("builtin", getattr(fn, "__module__", None), owner, fn.__qualname__)
+    return ("object", id(fn))
+
+
+class _CallableOf:
+    """The function at a path (``callable_id``) as a one-entry mapping."""
+
+    __slots__ = ("holder", "key", "fn", "id")
+
+    def __init__(self, holder, key):
+        self.holder, self.key, self.fn, self.id = holder, key, _MISSING, None
+
+    def get(self, _key, default=_MISSING):
+        fn = self.holder.get(self.key, _MISSING)
+        if fn is not self.fn:  # (the same function as last time: its id is known)
+            self.fn, self.id = fn, default if fn is _MISSING else callable_id(fn)
+        return self.id
+
+
 class _Cell:
     """A closure cell as a one-entry mapping (the guards read every value with ``get``)."""
 
@@ -210,6 +297,13 @@ def step_roots(fn: Callable, sa) -> dict:
         roots[("self",)] = fn  # a callable object: its __call__ reads its attributes
     for k, opt in enumerate(sa.optimizers):
         roots[("optimizer", k)] = opt
+    skip = {*sa.input_indices, *sa.module_indices, *sa.optimizer_indices}
+    for j, leaf in enumerate(sa.leaves):  # a config argument: a dataclass, a namespace, an
+        # object of the user's class (a library's object, as a scheduler, is read as its own)
+        if j not in skip and not isinstance(leaf, type) and hasattr(leaf, "__dict__") and (
+                dataclasses.is_dataclass(leaf) or type(leaf) in _ATTRIBUTE_BAGS
+                or _user_class(type(leaf))):
+            roots[("arg", j)] = leaf
     roots[("environ",)] = os.environ
     module = getattr(fn, "__globals__", {}).get("__name__")
     if isinstance(module, str):  # (the launched script's globals may not be its module's dict)
@@ -223,9 +317,21 @@ def _unwrap(fn: Callable) -> Callable:
     return fn
 
 
+class _TorchDefaults:
+    """torch's global defaults a recording depends on, as a mapping (``torch.set_default_dtype``
+    between calls makes ``torch.tensor(0.5)`` another dtype)."""
+
+    _READ = {"default_dtype": torch.get_default_dtype}
+
+    def get(self, key, default=_MISSING):
+        return self._READ[key]()
+
+
 def _root(head: tuple, roots: dict):
     if head in roots:
         return roots[head]
+    if head == ("torch",):
+        return _TorchDefaults()
     if head[0] == "unguardable":
         raise LookupError("a read that cannot be guarded")
     if head[0] == "global":
@@ -262,8 +368,16 @@ def slot(path: tuple, roots: dict, along: list | None = None):
         if step[0] in ("attr", "item"):
             holder = obj if step[0] == "item" or isinstance(obj, dict) else vars(obj)
             obj = holder[step[1]]
+            if along is not None:  # (read with ``get``: a list's or tuple's items too)
+                along.append((_Attrs(holder, "seq") if isinstance(holder, (list, tuple))
+                              else holder, step[1], obj))
+        elif step[0] == "hook":
+            hooks = _Hooks(obj, step[1][0])
+            obj = hooks.get(step[1][1])
+            if obj is _MISSING:
+                raise LookupError(f"no hook {step[1]}")
             if along is not None:
-                along.append((holder, step[1], obj))
+                along.append((hooks, step[1][1], obj))
         elif step[0] == "cell":
             cell = _step(obj, step)
             obj = cell.get(None)
@@ -277,8 +391,14 @@ def slot(path: tuple, roots: dict, along: list | None = None):
         else:
             obj = _step(obj, step)
     last = steps[-1]
+    if last[0] == "callable":
+        return _CallableOf(*slot(path[:-1], roots)), None
     if last[0] == "code":
         return _CodeOf(obj), None
+    if last[0] == "digest":
+        if type(obj) is not torch.Tensor:
+            raise LookupError("no longer a plain tensor")
+        return _DigestOf(obj), None
     if last[0] == "cell":
         return _step(obj, last), None
     if last[0] == "len":
@@ -287,6 +407,8 @@ def slot(path: tuple, roots: dict, along: list | None = None):
         raise LookupError("a path ends at a class")
     if isinstance(obj, (list, tuple)):
         return _Attrs(obj, "seq"), last[1]
+    if isinstance(obj, _TorchDefaults):
+        return obj, last[1]
     if last[0] == "item" or isinstance(obj, dict) or obj is os.environ:
         return obj, last[1]
     if isinstance(obj, type):
@@ -319,7 +441,8 @@ class ValueGuards:
                 self._checked.append((mapping, key, g.value))
             deps = []
             for holder, k, obj in along:
-                j = index.setdefault((id(holder), k), len(self._objects))
+                j = index.setdefault((type(holder), id(getattr(holder, "obj", holder)), k),
+                                     len(self._objects))
                 if j == len(self._objects):
                     self._objects.append([holder, k, obj])
                 deps.append(j)
@@ -378,7 +501,7 @@ class ValueGuards:
         h = {f"h{i}": v for i, v in enumerate(numbers)}
         for path, code in assignments:
             mapping, key = slots[path]
-            mapping[key] = eval(_compiled(code), {"math": math}, h)  # noqa: S307
+            mapping[key] = eval(_compiled(code), {"math": math, "torch": torch}, h)  # noqa: S307
 
     def changed(self) -> list[tuple[ValueGuard, Any]]:
         """(guard, current value) of every guard that fails."""
@@ -449,11 +572,17 @@ def flat_numbers(values: Iterable) -> list:
 class LiftPolicy:
     """Which numbers a step's next recording takes as program inputs: those whose guard failed
     (a value that changed once may change again; a tuple of numbers, as ``betas``, entry by
-    entry), unless a recording had to keep them constant."""
+    entry), unless a recording had to keep them constant; and why each of the step's programs
+    was compiled, at most ``limit`` of them (``within_limit``)."""
 
-    def __init__(self):
+    def __init__(self, recompile_limit: int | None = None):
         self.lift: list[tuple] = []
         self.constant: set[tuple] = set()
+        if recompile_limit is None:
+            recompile_limit = int(os.environ.get("SPMD_RECOMPILE_LIMIT", RECOMPILE_LIMIT))
+        if recompile_limit < 1:
+            raise ValueError(f"recompile_limit must be at least 1, not {recompile_limit}")
+        self.limit, self.reasons = recompile_limit, []
 
     def recompiled_for(self, changes: list[tuple[ValueGuard, Any]]) -> None:
         for g, now in changes:
@@ -515,12 +644,13 @@ def substituted(paths: list[tuple], roots: dict, values: list):
 
 
 def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = (),
-            reads=None) -> tuple[list[ValueGuard], list[str]]:
+            reads=None, gm=None) -> tuple[list[ValueGuard], list[str]]:
     """The guards of a recording of ``fn`` on ``sa`` whose stacks held ``codes`` (code object
     -> its globals) and which read ``reads`` (spmd_compiler/trace/reads.py: the attributes of
     the model's modules and of the step's instance, the code that read them, the environment), the
     ``lifted`` paths first (in order, as program inputs); and the source files of every code it
-    considered."""
+    considered. A plain tensor the recording ``gm`` holds as a constant (a ``get_attr`` node)
+    that no guard's path reaches makes the program serve one call."""
     roots = step_roots(fn, sa)
     outer, frame = set(), sys._getframe(1)
     while frame is not None:  # the caller's code, on every recorded stack, read nothing inside
@@ -535,6 +665,8 @@ def collect(fn: Callable, sa, codes: dict, lifted: list[tuple] = (),
         if len(c.codes) == before:
             break
     c.unreached_closures(set(ran) - outer)
+    if gm is not None:
+        c.unreached_tensors(gm)
     out = []
     for p in lifted:
         mapping, key = slot(p, roots)
@@ -565,6 +697,9 @@ class _Collector:
         self._seen_objects: set[int] = set()
         self._reached: set = set()  # code objects whose closure cells are guarded by a path
         self._model_modules = {id(m) for m in roots[("model",)].modules()}
+        # tensors that are the step's state or inputs, not constants (set by ``walk``)
+        self._state: set[int] = set()
+        self._constants: set[int] = set()  # plain tensors guarded by their values
         fn = roots[("fn",)]
         if not isinstance(fn, types.FunctionType):
             fn = getattr(type(fn), "__call__", None)
@@ -595,14 +730,22 @@ class _Collector:
 
     def walk(self, sa, lifted) -> None:
         self._seen_objects.clear()
+        model = sa.module
+        self._state = {id(t) for t in (*model.parameters(), *model.buffers(), *sa.leaves,
+                                       *(v for opt in sa.optimizers for st in opt.state.values()
+                                         for v in st.values()))}
         for path, m in sa.module.named_modules(remove_duplicate=False):
             head = (("model",), ("sub", path)) if path else (("model",),)
             self._object(m, "model" + (f".{path}" if path else ""), head, 1, module=True)
+            self._hooks(m, "model" + (f".{path}" if path else ""), head)
         if ("self",) in self.roots:
             self._object(self.roots[("self",)], "self", (("self",),), 1)
         fn = self.roots[("fn",)]
         if isinstance(fn, types.FunctionType):
             self._closure(fn, fn.__qualname__, (("fn",),), 1)
+        for head, obj in self.roots.items():
+            if head[0] == "arg":
+                self._value(obj, sa.leaf_name(head[1]), (head,), 1, str(head[1]))
         for head in (("partial", "args"), ("partial", "keywords")):
             if head in self.roots:
                 self._container(self.roots[head], f"the step's partial {head[1]}", (head,), 1)
@@ -617,7 +760,34 @@ class _Collector:
         for code, g in list(self.codes.items()):
             if is_user_file(code.co_filename):
                 self._globals(code, g)
+        self._patchable()
         self._environment()
+        self._add("torch.get_default_dtype()", (("torch",), ("item", "default_dtype")),
+                  torch.get_default_dtype(), "default_dtype", where="torch's default dtype")
+
+    def _patchable(self) -> None:
+        """The functions of ``_PATCHED_MODULES`` that any code that ran names, by identity."""
+        for module_name in _PATCHED_MODULES:
+            module = sys.modules.get(module_name)
+            if module is None:
+                continue
+            attrs = vars(module)
+            names = {n for c in self.codes for n in c.co_names if n in attrs}
+            for n in sorted(names):
+                v = attrs[n]
+                if callable(v) and not isinstance(v, (type, types.ModuleType)):
+                    self._add(f"{module_name}.{n}",
+                              (("global", module_name), ("item", n), ("callable", None)),
+                              callable_id(v), n, where=f"the step calls {module_name}.{n}")
+
+    def _hooks(self, m: torch.nn.Module, name: str, path: tuple) -> None:
+        """The closures of the gradient hooks on ``m``'s own parameters (seed 000's
+        ``grad.redistribute(placements=dist_spec)``), which run in the recorded backward."""
+        for pname, p in m._parameters.items():
+            for k, hook in enumerate(tensor_hooks(p) if p is not None else ()):
+                if isinstance(hook, types.FunctionType):
+                    self._closure(hook, f"{name}.{pname}.<hook {k}>",
+                                  path + (("hook", (pname, k)),), 2)
 
     def _globals(self, code, g: dict) -> None:
         module = g.get("__name__")
@@ -649,16 +819,21 @@ class _Collector:
             self._add(f"os.environ[{k!r}]", (("environ",), ("item", k)), value, k)
 
     def _value(self, v, name: str, path: tuple, depth: int, attr: str) -> None:
-        if is_plain(v):
+        if is_plain(v) or _by_value(v):
             self._add(name, path, v, attr)
+        elif type(v) is torch.Tensor:  # a constant of the program: guarded by its values
+            if id(v) not in self._state and not v.is_meta and not v.requires_grad:
+                self._constants.add(id(v))
+                self._add(f"{name} (its values)", path + (("digest", None),), tensor_digest(v),
+                          attr)
         elif isinstance(v, type) and depth < _MAX_DEPTH and _user_class(v):
             self._class(v, name, path, depth + 1)
         elif depth < _MAX_DEPTH and not isinstance(v, (torch.Tensor, type)):
-            if isinstance(v, types.FunctionType):
-                if is_user_file(v.__code__.co_filename):  # which function: by its code
-                    self._add(f"{name}.__code__", path + (("code", None),), code_id(v.__code__),
-                              attr)
+            if isinstance(v, types.FunctionType):  # which function: by its code
+                self._add(f"{name}.__code__", path + (("code", None),), code_id(v.__code__), attr)
                 self._closure(v, name, path, depth + 1)
+            elif isinstance(v, (functools.partial, types.BuiltinFunctionType)):
+                self._add(name, path + (("callable", None),), callable_id(v), attr)
             elif isinstance(v, types.ModuleType):
                 if is_user_file(getattr(v, "__file__", None) or "<"):
                     self._object(v, name, path, depth + 1)
@@ -718,7 +893,8 @@ class _Collector:
         """An object whose attribute reads were not watched: the attributes user code names,
         through the type and its MRO (user classes), absent ones included."""
         attrs = vars(obj)
-        every = self.computed_names and len(attrs) <= 256 and _user_class(type(obj))
+        every = self.computed_names and len(attrs) <= 256 and (
+            _user_class(type(obj)) or type(obj) in _ATTRIBUTE_BAGS)
         named = attrs.keys() if every else self.names
         for n in named & attrs.keys():
             if n in _SKIPPED_ATTRS or (module and "hook" in n):
@@ -800,6 +976,22 @@ class _Collector:
                                       f'File "{code.co_filename}", line {code.co_firstlineno}')
                     return
 
+    def unreached_tensors(self, gm) -> None:
+        """A tensor the step read as a constant (one it did not make: ``lift_fresh_copy`` marks
+        those) that no path reaches: cannot be guarded."""
+        for node in gm.graph.nodes:
+            if node.op != "get_attr" or all(
+                    u.target is torch.ops.aten.lift_fresh_copy.default for u in node.users):
+                continue
+            value = getattr(gm, node.target, None)
+            if type(value) is torch.Tensor and id(value) not in self._constants:
+                where = next((u.meta.get("stack_trace") for u in node.users
+                              if u.meta.get("stack_trace")), None)
+                line = where.strip().splitlines()[-2].strip() if where else "<unknown location>"
+                self._unguardable(f"a tensor of shape {tuple(value.shape)} that is not a "
+                                  "parameter, buffer or argument (pass it as an argument, or "
+                                  "register it as a buffer)", line)
+
     def _unguardable(self, what: str, where: str) -> None:
         path = (("unguardable",), ("item", what))
         if path not in self.guards:
@@ -832,6 +1024,14 @@ class _Collector:
             line = _line_reading(code, attr)
             return f'File "{code.co_filename}", line {line}, in {code.co_name}'
         return "<unknown location>"
+
+
+def _by_value(v) -> bool:
+    """Immutable torch values a guard compares by equality: a dtype, a device, a DTensor
+    placement (a closure over ``[Replicate()]``)."""
+    from torch.distributed.tensor import Placement
+
+    return isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format, Placement))
 
 
 def _function_of(v) -> types.FunctionType | None:
@@ -927,6 +1127,28 @@ def bind(traced, fn: Callable, sa) -> ValueGuards:
     """The value guards of a recording (``traced.value_guards``) bound to the live objects of
     the call ``fn`` was compiled for."""
     return ValueGuards(traced.value_guards, step_roots(fn, sa))
+
+
+RECOMPILE_LIMIT = 8  # programs per compiled step, as torch.compile's ``recompile_limit``
+
+
+def within_limit(name: str, policy: "LiftPolicy", programs: int, why: str | None) -> str | None:
+    """``why`` a step that holds ``programs`` programs compiles one more, kept in ``policy``;
+    RecompileLimitError when that one would pass the step's limit (``policy.limit``). Every
+    rank holds the same number of programs, so every rank raises on the same call."""
+    policy.reasons[programs:] = [why or "the first call"]
+    if programs < policy.limit:
+        return why
+    from ..errors import RecompileLimitError
+
+    lines = [f"  program {k + 1}: {r}" for k, r in enumerate(policy.reasons[:programs])]
+    raise RecompileLimitError(
+        f"{name} would compile a program {programs + 1}, past its recompile limit of "
+        f"{policy.limit} (spmd_compile(recompile_limit=...) or SPMD_RECOMPILE_LIMIT). Why each "
+        "was compiled:\n" + "\n".join(lines) + f"\n  now: {why or 'no reason found'}\n"
+        "A value that changes on every call should reach the step as a tensor argument (or "
+        "a number the step reads, which becomes an input of the program); a read that cannot "
+        "be guarded (logged as a warning) makes every program serve one call.")
 
 
 def recompile_reason(programs: list, key: tuple, policy: LiftPolicy) -> str | None:

@@ -162,8 +162,8 @@ def users_frame(frame) -> bool:
     """Is the first frame from ``frame`` outwards that is not the standard library's nor
     torch.distributed's (which reads the environment and the rank for the user) user code?"""
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith(_ENVIRON_SKIPPED[0]) or _ENVIRON_SKIPPED[1] in name):
+        name = frame.f_code.co_filename  # (os and _collections_abc run frozen: "<frozen os>")
+        if not (name.startswith((_ENVIRON_SKIPPED[0], "<frozen ")) or _ENVIRON_SKIPPED[1] in name):
             return is_user_file(name)
         frame = frame.f_back
     return False

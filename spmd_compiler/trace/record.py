@@ -592,7 +592,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
     """One make_fx recording of the step (see ``trace_step``)."""
     st = _ModuleState.of(sa)
     shape_env = InputShapeEnv(specialize_zero_one=False)
-    fake_mode = FakeTensorMode(shape_env=shape_env)
+    fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     # A model built on the meta device is recorded on the device its state will live on.
     home = next((t.device for t in (*st.params, *st.buffers) if not t.is_meta),
                 next((sa.leaves[i].device for i in sa.input_indices), torch.device("cpu")))
@@ -630,7 +630,7 @@ def _record_step(fn: Callable, sa: StepArgs, fuse_optimizer: bool,
                                         *fake_inputs, *[fake_static(p) for p in trainable]],
                       codes, seen)
     dropped, conditions = _guards_not_kept(fn, gm, shape_env, hparams, lifted, numbers)
-    value_guards, source_files = guards.collect(fn, sa, codes, list(lift), seen)
+    value_guards, source_files = guards.collect(fn, sa, codes, list(lift), seen, gm)
     accumulated = tuple(st.fqn_of[id(p)] for p in trainable)
     signature = StepSignature(
         params=tuple(st.fqn_of[id(p)] for p in st.params),

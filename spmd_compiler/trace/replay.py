@@ -177,7 +177,7 @@ def _assignments(changes: list[Change], lifted: list[tuple], symbols: dict,
                  dropped: set) -> tuple[tuple, list[Change]]:
     """((path, Python expression over ``h<index>``), ...) for the changes of ``changes`` that
     set lifted numbers to functions of the inputs, and the other changes."""
-    from sympy.printing.pycode import pycode
+    from ..torch_internals import sympy_python as pycode
 
     out, rest = [], []
     for c in changes:

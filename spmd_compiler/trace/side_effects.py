@@ -226,8 +226,8 @@ def _reach(fn: Callable, constants: list[tuple[str, Any]]) -> list[tuple[str, st
 
 def _counters(module: torch.nn.Module | None) -> list[tuple[str, Any, frozenset]]:
     """(label, object, attribute names) of the plain objects the model's modules hold whose
-    number attributes a module's ``forward`` assigns (a call counter on a stats object): only
-    those attributes are watched. (A forward also fills in a config's string once, as Hugging
+    number attributes a module's ``forward`` or the object's own methods assign (a call counter
+    on a stats object, ``self.stats.update()``): only those attributes are watched. (A forward also fills in a config's string once, as Hugging
     Face models set ``config.problem_type``: that stays as the recording left it, as after an
     eager call.)"""
     if module is None:
@@ -240,11 +240,24 @@ def _counters(module: torch.nn.Module | None) -> list[tuple[str, Any, frozenset]
         for a, v in vars(m).items():
             if not _plain_object(v) or id(v) in seen:
                 continue
-            attrs = frozenset(k for k, x in vars(v).items() if k in stored and _is_number(x))
+            mine = stored | _method_stores(type(v))  # (``self.stats.update()`` counts in there)
+            attrs = frozenset(k for k, x in vars(v).items() if k in mine and _is_number(x))
             if attrs:
                 seen.add(id(v))
                 out.append((f"attribute {a!r} of module {name or '<root>'!r}", v, attrs))
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _method_stores(cls: type) -> frozenset:
+    """The attribute names the methods of ``cls``'s own (Python) classes assign to."""
+    out = set()
+    for klass in cls.__mro__:
+        for f in vars(klass).values():
+            f = f.__func__ if isinstance(f, (staticmethod, classmethod)) else f
+            if isinstance(f, types.FunctionType):
+                out |= _stores(f, "STORE_ATTR").keys()
+    return frozenset(out)
 
 
 def _is_number(v: Any) -> bool:
