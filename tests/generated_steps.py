@@ -66,11 +66,17 @@ class Case:
             extras = tuple(e for e in extras if e != "penalty")
         if "gan" in extras and model != "mlp":
             extras = tuple(e for e in extras if e != "gan")
-        return Case(seed=seed, model=model, loss=r.choice(LOSSES), optimizer=r.choice(OPTIMIZERS),
-                    impl=r.choice(IMPLS), betas=r.choice([(0.9, 0.999), (0.0, 0.9), (0.5, 0.99)]),
+        case = Case(seed=seed, model=model, loss=r.choice(LOSSES), optimizer=r.choice(OPTIMIZERS),
+                    impl=r.choice(IMPLS),
+                    betas=r.choice([(0.9, 0.999), (0.0, 0.9), (0.5, 0.99)]),
                     weight_decay=r.choice([0.0, 0.0, 0.01, 0.1]), extras=extras,
                     change=r.choice(CHANGES), act=r.choice(["GELU", "ReLU", "SiLU", "Tanh"]),
                     world=3 if r.random() < 0.15 else 2)
+        if case.change == "unfreeze" and case.impl == "fused" and case.optimizer in (
+                "momentum", "nesterov"):
+            # torch's fused SGD cannot start the momentum of some parameters only: eagerly too
+            case = dataclasses.replace(case, impl="foreach")
+        return case
 
 
 def _model_source(c: Case) -> str:
