@@ -4,8 +4,8 @@
 
 A few compiled AdamW steps of a small MLP, an eager evaluation, a checkpoint (replicate:
 ``torch.save`` of the plain state dicts on rank 0; fully_shard: torch.distributed.checkpoint),
-``destroy_process_group``, then each rank's last line ``rank R done`` printed *without* a flush,
-so a process killed during interpreter teardown loses it.
+``destroy_process_group``, then each rank's last line ``rank R done, gloo threads left: N``
+printed *without* a flush, so a process killed during interpreter teardown loses it.
 """
 
 from __future__ import annotations
@@ -62,7 +62,22 @@ def main() -> None:
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(args.out, "ckpt"))
     print(f"rank {rank} validation loss {float(val):.4f} accuracy {float(acc):.3f}")
     dist.destroy_process_group()
-    print(f"rank {rank} done")  # no flush: lost if the process dies at exit
+    # gloo's threads left after destroy_process_group live into interpreter finalization, where
+    # one may need the GIL and abort the process (docs/troubleshooting.md); no flush: the line is
+    # lost if the process dies at exit
+    print(f"rank {rank} done, gloo threads left: {len(_gloo_threads())}")
+
+
+def _gloo_threads() -> list[str]:
+    """Names of this process's gloo threads (``pt_gloo_runloop``, ``gloo_tcp_loop``)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return [n for n in names if "gloo" in n]
 
 
 if __name__ == "__main__":

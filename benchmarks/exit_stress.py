@@ -10,7 +10,8 @@ Each round runs, for each style (replicate, fully_shard), the README's torchrun 
 
 Per run it records the exit status and flags: an abort (a signal, ``terminate called``, SIGABRT
 in torchrun's report), a missing last line (train.py's final "saved checkpoint" line; each
-rank's unflushed ``rank R done`` of exit_job.py), a hang (no exit within ``--timeout``), a
+rank's unflushed ``rank R done`` of exit_job.py), gloo threads a rank of exit_job.py still had
+after ``destroy_process_group`` (they would live into interpreter finalization), a hang (no exit within ``--timeout``), a
 process of the job still alive after torchrun returned (it would hold the job's ports), and
 the entries the job left in its temporary directory (torch's own are counted apart:
 torchrun's empty log directory ``torchelastic_*``, kept unless ``--log-dir`` is given, and
@@ -86,9 +87,10 @@ def run_once(script: str, style: str, timeout: float) -> dict:
     left = sorted(os.listdir(work / "tmp"))
     shutil.rmtree(work, ignore_errors=True)
     missing = [p for p in last_lines if not re.search(p, text)]
+    gloo_left = sum(int(n) for n in re.findall(r"gloo threads left: (\d+)", text))
     return {"script": script, "style": style, "rc": proc.returncode, "seconds": round(seconds, 1),
             "abort": bool(ABORT.search(text)) or proc.returncode in (-6, 134), "hang": hang,
-            "missing_last_line": missing, "stray_process": stray,
+            "missing_last_line": missing, "gloo_threads_left": gloo_left, "stray_process": stray,
             "tmp_left": [e for e in left if not e.startswith(TORCH_TMP)],
             "torch_tmp": [e for e in left if e.startswith(TORCH_TMP)],
             "load_avg": round(os.getloadavg()[0], 2),
@@ -104,6 +106,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         rows.append({"script": script, "style": style, "load": load, "runs": len(rs),
                      "exit_0": sum(r["rc"] == 0 for r in rs), "aborts": sum(r["abort"] for r in rs),
                      "missing_last_line": sum(bool(r["missing_last_line"]) for r in rs),
+                     "gloo_threads_left": sum(bool(r.get("gloo_threads_left")) for r in rs),
                      "hangs": sum(r["hang"] for r in rs),
                      "stray_processes": sum(r["stray_process"] for r in rs),
                      "tmp_left": sorted({e for r in rs for e in r["tmp_left"]}),
@@ -132,8 +135,8 @@ def main() -> None:
                     r = run_once(script, style, args.timeout)
                     r.update(round=i, load=load)
                     runs.append(r)
-                    flags = [k for k in ("abort", "hang", "missing_last_line", "stray_process",
-                                         "tmp_left") if r[k]]
+                    flags = [k for k in ("abort", "hang", "missing_last_line", "gloo_threads_left",
+                                         "stray_process", "tmp_left") if r[k]]
                     print(f"{i:3d} {script:11s} {style:11s} {load:7s} rc {r['rc']:4d} "
                           f"{r['seconds']:6.1f} s {' '.join(flags) or 'ok'}", flush=True)
                     if r["tail"]:
@@ -149,12 +152,14 @@ def main() -> None:
         print(json.dumps(row))
     total = Counter()
     for row in rows:
-        total.update({k: row[k] for k in ("runs", "exit_0", "aborts", "missing_last_line", "hangs",
-                                          "stray_processes")})
+        total.update({k: row[k] for k in ("runs", "exit_0", "aborts", "missing_last_line",
+                                          "gloo_threads_left", "hangs", "stray_processes")})
     print("total", json.dumps(dict(total)))
     if args.out:
         _write(args.out, runs)
-    sys.exit(0 if total["runs"] == total["exit_0"] and not total["missing_last_line"] else 1)
+    clean = total["runs"] == total["exit_0"] and not (total["missing_last_line"]
+                                                      or total["gloo_threads_left"])
+    sys.exit(0 if clean else 1)
 
 
 def _write(path: str, runs: list[dict]) -> None:

@@ -95,5 +95,16 @@ def test_destroy_process_group_frees_groups_and_gloo_threads(tmp_path):
     assert results == [{"gloo_threads": [], "groups_alive": 0}] * 2, results
 
 
+def test_exit_stress_job_exits_clean():
+    """One run of benchmarks/exit_stress.py's train / evaluate / save job under torchrun: exit 0,
+    every rank's unflushed last line printed, no gloo thread left after destroy_process_group,
+    nothing of the job left running, and nothing in its temporary directory but torch's own."""
+    from benchmarks.exit_stress import run_once
+
+    run = run_once("exit_job.py", "fully_shard", timeout=120)
+    assert (run["rc"], run["abort"], run["hang"], run["missing_last_line"], run["gloo_threads_left"],
+            run["stray_process"], run["tmp_left"]) == (0, False, False, [], 0, False, []), run
+
+
 if __name__ == "__main__":
     _rank_main(int(sys.argv[1]), sys.argv[2])
