@@ -48,6 +48,7 @@ from .state.eager import attach as attach_eager_use, refuse_bound
 from .state.placement import communication_failures, place_state
 from .trace import guards
 from .trace.dynamic_dims import InputShapeHistory
+from .torch_internals import hold_groups_weakly
 from .verify import Variants, checked_call, verification as checks_asked
 
 log = logging.getLogger("spmd_compiler")
@@ -80,6 +81,8 @@ class CompiledStep:
         self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory
         self.cache_dir = cache_dir
         self.mesh = mesh  # None: the 1-D mesh over the default process group
+        if mesh is not None:  # destroy_process_group frees its groups (torch_internals)
+            hold_groups_weakly(mesh)
         # Every program compiled so far, in compile order. Every rank compiles together (or
         # receives the program the rank that built it sends: shared_compile.py), so
         # program k exists on every rank and communicates the same on all of them (the per-call

@@ -78,6 +78,8 @@ SHELL_NOT_RUN = {
         "starts gloo pools of 2 and 3 ranks to print the tables the test file checks (a minute)",
     ("docs/observability.md", "python docs/figures.py"):
         "rewrites docs/img/ in the checkout; the explain() it calls runs in test_visualize.py",
+    ("docs/troubleshooting.md", "python -m benchmarks.exit_stress --runs 25"):
+        "100 torchrun jobs each (15 to 30 minutes); tests/test_exit.py runs one of its jobs",
 }
 
 # (page, first line): why the snippet is not run here
