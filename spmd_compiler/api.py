@@ -83,10 +83,8 @@ class CompiledStep:
         self.mesh = mesh  # None: the 1-D mesh over the default process group
         if mesh is not None:  # destroy_process_group frees its groups (torch_internals)
             hold_groups_weakly(mesh)
-        # Every program compiled so far, in compile order. Every rank compiles together (or
-        # receives the program the rank that built it sends: shared_compile.py), so
-        # program k exists on every rank and communicates the same on all of them (the per-call
-        # agreement relies on it).
+        # Every program so far, in compile order: program k exists and communicates alike on
+        # every rank (compiled together, or shared: shared_compile.py; the agreement relies on it)
         self._programs: list[CompiledGraph] = []
         self._shapes = InputShapeHistory(parallel_mode.automatic_dynamic, check_ranks)
         self._last_key: tuple | None = None
