@@ -8,8 +8,8 @@ and what else real loops do: a gradient penalty (``autograd.grad(create_graph=Tr
 module and optimizer (a GAN whose generator's forward is reused after the critic's step), an EMA
 copy (lerp or foreach), clipping, a scheduler stepped inside the step, a frozen layer, autocast
 to bfloat16, and a Python value the step reads changed between calls (a global number, a module
-attribute, a config object replaced, a closure's list, a layer unfrozen) or differing across
-ranks.
+attribute, a config object replaced or an argument's field assigned in place, a closure's list,
+a global function rebound, a layer unfrozen) or differing across ranks.
 
 :func:`script` writes a case as a standalone script: run directly it spawns two gloo ranks; the
 tests import it in their workers (:func:`check_job`). Each call of the compiled step is checked
@@ -39,7 +39,8 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
 IMPLS = ("default", "foreach", "fused")
 EXTRAS = ("penalty", "gan", "ema_lerp", "ema_foreach", "clip", "scheduler", "frozen", "groups",
           "autocast")
-CHANGES = (None, "global", "attribute", "config_replaced", "closure", "unfreeze", "per_rank")
+CHANGES = (None, "global", "attribute", "config_replaced", "closure", "unfreeze", "per_rank",
+           "config_mutated", "function_swapped")
 STEPS = 3
 
 
@@ -200,7 +201,8 @@ def script(c: Case) -> str:
               "'weight_decay': 0.0}]" if "groups" in e else "model.parameters()")
     weight = {None: "1.0", "global": "WEIGHT", "attribute": "model.aux_weight",
               "config_replaced": "CFG.weight", "closure": "scale[0]", "unfreeze": "1.0",
-              "per_rank": "WEIGHT"}[c.change]
+              "per_rank": "WEIGHT", "config_mutated": "cfg.weight",
+              "function_swapped": "1.0"}[c.change]
     lines = [
         "    opt.zero_grad()",
         "    x, y, labels = batch",
@@ -212,6 +214,8 @@ def script(c: Case) -> str:
                   "        out = model(x).float()"]
     else:
         lines += ["    out = model(x)"]
+    if c.change == "function_swapped":  # a global function rebound between calls
+        lines += ["    out = ACT_FN(out)"]
     lines += [f"    loss = {weight} * ({_loss_source(c)})"]
     if "penalty" in e:
         lines += ["    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)",
@@ -238,7 +242,8 @@ def script(c: Case) -> str:
                   "        torch._foreach_sub_(s, torch._foreach_sub(s, p), alpha=0.1)"]
     lines += ["    return loss.detach()" + (", d_loss.detach()" if "gan" in e else "")]
     args = ["model", "opt", "batch"] + (["critic", "opt_d"] if "gan" in e else []) + (
-        ["ema"] if e & {"ema_lerp", "ema_foreach"} else [])
+        ["ema"] if e & {"ema_lerp", "ema_foreach"} else []) + (
+        ["cfg"] if c.change == "config_mutated" else [])
     frozen = "\n    model.head.requires_grad_(False)" if "frozen" in e or c.change == "unfreeze" \
         else ""
     if c.change == "per_rank":  # a value each rank computes for itself, as DDP runs it
@@ -255,7 +260,9 @@ def script(c: Case) -> str:
               "config_replaced": "\n        global CFG\n        CFG = Config(weight=1.0 + i)",
               "closure": "\n        scale[0] = 1.0 + 0.5 * i",
               "unfreeze": "\n        if i == 1:\n            model.head.requires_grad_(True)",
-              "per_rank": ""}[c.change]
+              "per_rank": "",
+              "config_mutated": "\n        cfg.weight = 1.0 + 0.5 * i",
+              "function_swapped": "\n        global ACT_FN\n        ACT_FN = (F.silu, F.gelu, torch.tanh)[i % 3]"}[c.change]
     return f'''"""Generated training step: {c}."""
 import copy
 import dataclasses
@@ -269,6 +276,7 @@ import torch.nn.functional as F
 
 IN, OUT, B = 6, 5, 8
 WEIGHT = 1.0
+ACT_FN = F.silu
 
 
 @dataclasses.dataclass
@@ -286,7 +294,7 @@ def build():
     model = Net()
     model.aux_weight = 1.0{frozen}
     opt = {_optimizer_source(c, params)}{sched}{critic}{ema}
-    scale = [1.0]
+    scale, cfg = [1.0], Config()
     step = make_step({"sched" if "scheduler" in e else "None"}, scale)
 
     def change(i):{change}
