@@ -73,3 +73,61 @@ def test_explain_leaves_model_and_optimizer_alone(mode, kinds):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not opt.state and all(type(p) is torch.nn.Parameter for p in model.parameters())
 
+
+
+def _figures(summary) -> dict:
+    """Every table of a summary but the compile times and the explain-only notes on other
+    world sizes, by title; and the header."""
+    return {"header": summary.header(),
+            **{title: rows for title, _, rows in summary.tables()
+               if title != "compile time" and not title.startswith("at another world size")}}
+
+
+def _run_figures(style: str) -> dict:
+    """On each rank of a real gloo group: the summary of a compiled Adam step after two calls."""
+    from spmd_compiler import spmd_compile
+    from spmd_compiler.api import entry_summary
+    from tests.multirank import rank_data
+
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = spmd_compile(DataParallel(style))(train_step)
+    for i in range(2):
+        step(model, opt, rank_data(i, (16, 50), (16, 8)))
+    assert step.compile_count == 1
+    return _figures(entry_summary(step.last_compiled))
+
+
+@pytest.mark.multirank
+def test_explain_prints_the_figures_of_a_real_run(pool2):
+    """explain without a process group (a stand-in group of 2 ranks in this process) gives a
+    real 2-rank gloo run's summary, figure for figure: the collectives a call issues (the gloo
+    lowering's broadcasts, the per-call agreement riding in a collective), the optimizer state
+    Adam makes before recording, the persistent memory and the peak; and takes the state it
+    made away again."""
+    for style in ("replicate", "fully_shard"):
+        torch.manual_seed(0)
+        model = SimpleMLP()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        summary = explain(train_step, model, opt, (torch.randn(16, 50), torch.randn(16, 8)),
+                          parallel_mode=DataParallel(style), world_size=2)
+        assert not opt.state and not torch.distributed.is_initialized()
+        ran = pool2.run(_run_figures, style)[0]
+        assert _figures(summary) == ran, style
+        assert summary.persistent_bytes["optimizer state"] > 0
+        assert summary.to_text().startswith("at world size 2\n")
+        assert "at another world size" in summary.to_text()
+
+
+def test_explain_cli_explains_a_users_own_step(capsys):
+    """``explain FILE.py:FUNCTION`` with the file's ``explain_args()`` hook (examples/train.py:
+    AdamW and gradient clipping), and a clear error for a file without the hook."""
+    from spmd_compiler.cli import main
+
+    assert main(["explain", str(ROOT / "examples" / "train.py") + ":train_step",
+                 "--mode", "replicate"]) == 0
+    out = capsys.readouterr().out
+    assert "at world size 2" in out and "all_reduce" in out and "optimizer state" in out
+    assert main(["explain", str(ROOT / "tests" / "models.py") + ":train_step"]) == 2
+    assert "defines no function 'explain_args'" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from spmd_compiler.passes.memory_plan import lifetimes
 from spmd_compiler.passes.expand import collective_dim
 from spmd_compiler.passes.meta import (
-    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT,
+    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, MESH_SIZES, NOTES, PARAM_FQN, PLACEMENT,
     PLAN_DIMS, PLAN_PLACEMENT, REGION, ROLE, STATE_KEY, WORKSPACES, Role,
 )
 
@@ -749,6 +749,18 @@ class Summary:
     compile_times: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # per pass: what it did
     gathers: list[GatherStat] = field(default_factory=list)
+    mesh_shape: tuple[int, ...] = ()  # the data-parallel mesh the program was built for
+    # explain without a process group: per figure, how another world size changes it
+    at_other_sizes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return int(torch.tensor(self.mesh_shape or (1,)).prod())
+
+    def header(self) -> str:
+        """``at world size N`` (and the mesh's shape where it has several dims)."""
+        mesh = f" (mesh {' x '.join(map(str, self.mesh_shape))})" if len(self.mesh_shape) > 1 else ""
+        return f"at world size {self.world_size}{mesh}"
 
     @property
     def collective_bytes(self) -> int:
@@ -789,6 +801,11 @@ class Summary:
                         + [["total", sum(self.compile_times.values())]]))
         if self.notes:
             out.append(("passes", ["pass", "what it did"], [[k, v] for k, v in self.notes.items()]))
+        if self.at_other_sizes:
+            out.append(("at another world size (no process group: built on a stand-in group of "
+                        f"{self.world_size} ranks, as rank 0 of a gloo run on CPU builds it)",
+                        ["figure", "how it changes"],
+                        [[k, v] for k, v in self.at_other_sizes.items()]))
         out.insert(0, ("step", ["graph nodes", "sizes evaluated at", "collectives issued per call"],
                        [[self.num_nodes, hints, self.issued_text()]]))
         return out
@@ -812,11 +829,11 @@ class Summary:
         return f"{self.issued_per_call} = {text}"
 
     def to_text(self) -> str:
-        return "\n\n".join(f"{title}\n{tabulate(rows, headers, tablefmt='simple', floatfmt='.3f')}"
+        return f"{self.header()}\n\n" + "\n\n".join(f"{title}\n{tabulate(rows, headers, tablefmt='simple', floatfmt='.3f')}"
                            for title, headers, rows in self.tables()) + "\n"
 
     def to_markdown(self) -> str:
-        return "\n\n".join(
+        return f"{self.header()}\n\n" + "\n\n".join(
             f"### {title}\n\n{tabulate(rows, headers, tablefmt='github', floatfmt='.3f')}"
             for title, headers, rows in self.tables()) + "\n"
 
@@ -916,8 +933,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     persistent_bytes = {k: persistent[k] for k in ("params", "grads", "buffers", "optimizer state")}
     persistent_bytes["total persistent"] = sum(persistent_bytes.values())
     peak, peak_node = estimate_peak_memory(lowered if lowered is not None else gm, sizer)
-    workspace_bytes = sum(nbytes for _, nbytes in
-                          (lowered.meta.get(WORKSPACES, ()) if lowered is not None else ()))
+    workspaces = lowered.meta.get(WORKSPACES, ()) if lowered is not None else ()
     return Summary(
         num_nodes=len(nodes),
         size_hints=dict(sizer.used),
@@ -927,12 +943,35 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         persistent_bytes=persistent_bytes,
         peak_bytes=peak,
         peak_node=peak_node,
-        workspace_bytes=workspace_bytes,
+        workspace_bytes=sum(nbytes for _, nbytes in workspaces),
         compile_times=dict(compile_times or {}),
         notes={**gm.meta.get(NOTES, {}), **(notes or {})},
         **_per_call(lowered),
         gathers=parameter_gathers(gm, sizer),
+        mesh_shape=tuple(gm.meta.get(MESH_SIZES) or ()),
     )
+
+
+def world_notes(summary: Summary, style: str) -> dict[str, str]:
+    """Per figure of ``summary`` (a program built without a process group, at its world size
+    N): what a run at another world size changes in it."""
+    n = summary.world_size
+    sharded = style in ("fully_shard", "hybrid_shard")
+    shard = (f"this rank's shard, ceil(rows / {summary.mesh_shape[-1]}) rows of each parameter: "
+             f"smaller on more ranks" if sharded else "the whole tensor at any world size")
+    notes = {"parameters (local shape, size)": shard,
+             "params, optimizer state, total persistent": shard,
+             "collectives per step": (
+                 "the same collectives; an all_gather's output and a reduce_scatter's input are "
+                 f"the whole bucket padded to a multiple of {summary.mesh_shape[-1]} rows"
+                 if sharded else "the same all_reduces of the whole gradients at any world size"),
+             "collectives issued per call": (
+                 f"gloo on CPU issues each all_gather as one broadcast per rank ({n} here); a "
+                 "backend with its own all_gather (NCCL) issues one" if summary.gathers else
+                 "the same at any world size"),
+             "peak": ("the parameters gathered whole in the step do not change; the shards do"
+                      if sharded else "the same at any world size (local batch fixed)")}
+    return notes
 
 
 def parameter_gathers(gm: fx.GraphModule, sizer: _Sizer) -> list[GatherStat]:
