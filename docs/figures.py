@@ -36,7 +36,7 @@ def main() -> None:
                           world_size=2, dump_dir=str(dump))
         print(f"### {style}\n\n{summary.to_markdown()}")
         for view in ("", ".collapsed"):
-            dot = next(dump.glob(f"compile_0/*_lowered{view}.dot"))
+            dot = next(dump.glob(f"train_step/compile_0/*_lowered{view}.dot"))
             out = img / f"batch_dim_model_{style}{view}.png"
             subprocess.run(["dot", "-Tpng", str(dot), "-o", str(out)], check=True)
             print(out)

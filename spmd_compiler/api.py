@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .build import cache, shared_compile
-from .build.pipeline import BuildOptions, build_program, dump_dir_for_compile, info
+from .build.pipeline import BuildOptions, build_program, dump_dir_for_compile, info, step_dump_folder
 from .build.program_check import agree_on_program, describe_graph, describe_program
 from .errors import NoProcessGroupError, SPMDError
 from .features.accumulation import KeptGradients
@@ -73,7 +73,8 @@ class CompiledStep:
         if not hasattr(self, "__name__"):  # a functools.partial, a callable object
             self.__name__ = getattr(getattr(fn, "func", type(fn)), "__name__", type(fn).__name__)
         self.fn, self.parallel_mode, self.backend = fn, parallel_mode, backend
-        self.dump_dir = dump_dir or os.environ.get("SPMD_DUMP_DIR") or None
+        # this step's own folder under the dump folder given: <dump_dir>/<step name>
+        self.dump_dir = step_dump_folder(dump_dir or os.environ.get("SPMD_DUMP_DIR"), self.__name__)
         self.gm_transformation = gm_transformation
         self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory
         self.cache_dir = cache_dir

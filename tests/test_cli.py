@@ -37,8 +37,8 @@ def test_the_readme_demo_command_trains_both_modes_like_ddp(tmp_path):
     dumps = Path(re.search(r"^graph dumps: (.+)$", out.stdout, re.M).group(1))
     try:
         for mode in ("replicate", "fully_shard"):
-            top = {p.name for p in (dumps / mode).iterdir()}
-            first = {p.name for p in (dumps / mode / "compile_0").iterdir()}
+            top = {p.name for p in (dumps / mode / "demo_train_step").iterdir()}
+            first = {p.name for p in (dumps / mode / "demo_train_step" / "compile_0").iterdir()}
             assert "summary.txt" in top and "summary.txt" in first
             assert any(name.endswith("_traced.dot") for name in first)
     finally:
@@ -131,3 +131,39 @@ def test_explain_cli_explains_a_users_own_step(capsys):
     assert "at world size 2" in out and "all_reduce" in out and "optimizer state" in out
     assert main(["explain", str(ROOT / "tests" / "models.py") + ":train_step"]) == 2
     assert "defines no function 'explain_args'" in capsys.readouterr().err
+
+
+def _two_steps_job(dump_dir: str) -> list:
+    """Two steps (of two models) compiled with one SPMD_DUMP_DIR; their compile times."""
+    import os
+
+    from spmd_compiler import spmd_compile
+    from tests.multirank import rank_data
+
+    os.environ["SPMD_DUMP_DIR"] = dump_dir
+    try:
+        torch.manual_seed(0)
+        models = [SimpleMLP(), SimpleMLP()]
+
+        def other_step(model, optim, batch):
+            return train_step(model, optim, batch)
+
+        steps = [spmd_compile(DataParallel("replicate"))(train_step),
+                 spmd_compile(DataParallel("replicate"))(other_step)]
+        for step, model in zip(steps, models):
+            step(model, torch.optim.SGD(model.parameters(), lr=0.1), rank_data(0, (8, 50), (8, 8)))
+        return [s.last_compiled.stage_seconds for s in steps]
+    finally:
+        del os.environ["SPMD_DUMP_DIR"]
+
+
+@pytest.mark.multirank
+def test_steps_sharing_a_dump_dir_get_a_folder_each(pool2, tmp_path):
+    """Each compiled step dumps into <dump_dir>/<step name>/compile_<n>, so two steps sharing
+    SPMD_DUMP_DIR keep both their graphs; the time the dumps took is a compile time."""
+    seconds = pool2.run(_two_steps_job, str(tmp_path))[0]
+    for name in ("train_step", "other_step"):
+        first = tmp_path / name / "compile_0"
+        assert any(p.name.endswith("_traced.dot") for p in first.iterdir()), name
+        assert (tmp_path / name / "summary.txt").exists()
+    assert all(s["dumps written"] > 0 for s in seconds)

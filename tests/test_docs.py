@@ -182,9 +182,9 @@ def _shell_run(page: str, command: str) -> bool:
 SHELL_RUN = [
     ("docs/observability.md",
      "python -m spmd_compiler demo --steps 1 --modes replicate --dump-dir /tmp/spmd_dump"),
-    ("docs/observability.md", "dot -Tpng /tmp/spmd_dump/replicate/compile_0/*_lowered.dot -o "
+    ("docs/observability.md", "dot -Tpng /tmp/spmd_dump/replicate/demo_train_step/compile_0/*_lowered.dot -o "
                               "docs/img/simple_mlp_replicate.png"),
-    ("docs/observability.md", "dot -Tpng /tmp/spmd_dump/replicate/compile_0/*_lowered.collapsed.dot "
+    ("docs/observability.md", "dot -Tpng /tmp/spmd_dump/replicate/demo_train_step/compile_0/*_lowered.collapsed.dot "
                               "-o docs/img/simple_mlp_replicate.collapsed.png"),
 ]
 

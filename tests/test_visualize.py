@@ -346,15 +346,19 @@ def test_issued_per_call_says_what_it_counts_beyond_the_collectives_per_step():
     assert issued(None, 0) == "-"
 
 
-def test_explain_counts_collectives_without_a_process_group_and_says_so():
+def test_explain_counts_collectives_without_a_process_group_as_gloo_issues_them():
+    """Without a process group explain builds on a stand-in group of the world size, as rank 0
+    of a gloo run: each all_gather is issued as one broadcast per rank, the agreement rides in
+    the first collective; the summary says what another world size changes."""
     from spmd_compiler import DataParallel, explain
 
     model = SimpleMLP()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     summary = explain(train_step, model, opt, (torch.randn(8, 50), torch.randn(8, 8)),
-                      parallel_mode=DataParallel("fully_shard"), world_size=2)
+                      parallel_mode=DataParallel("fully_shard"), world_size=3)
     per_step = sum(c.count for c in summary.collectives)
-    assert summary.issued_per_call == per_step + summary.agreements_per_call
-    assert summary.issued_text().startswith(f"{summary.issued_per_call} = {per_step} per step")
-    assert "one broadcast per rank" in summary.notes["collectives issued per call"]
-    assert "one broadcast per rank" in summary.to_text()
+    gathers = sum(c.count for c in summary.collectives if c.kind == "all_gather")
+    assert summary.issued_per_call == per_step + gathers * (3 - 1)
+    assert summary.agreements_per_call == 0
+    assert "one broadcast per rank (3 here)" in summary.at_other_sizes["collectives issued per call"]
+    assert summary.to_text().startswith("at world size 3\n")
