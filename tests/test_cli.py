@@ -57,7 +57,7 @@ def test_demo_exits_nonzero_when_parity_fails(tmp_path):
 def test_explain_cli_prints_the_summary():
     out = _run("explain", "--mode", "fully_shard", "--world-size", "3", timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "reduce_scatter" in out.stdout and "S(0)" in out.stdout
+    assert "reduce_scatter" in out.stdout and "Shard(0)" in out.stdout
 
 
 @pytest.mark.parametrize("mode, kinds", [("replicate", {"all_reduce"}),

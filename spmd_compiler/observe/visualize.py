@@ -37,6 +37,7 @@ from ..torch_internals import _StridedShard
 log = logging.getLogger("spmd_compiler")
 
 DEFAULT_MAX_NODES = 400
+_ROW = 6  # a region's inputs (state, copies of values made elsewhere) are drawn this many a row
 _SCALAR_REACH = 8  # a symbolic scalar read more than this many nodes later is drawn again there
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 _FONT = "Helvetica"
@@ -159,11 +160,23 @@ def _assign_regions(gm: fx.GraphModule) -> dict[fx.Node, str | None]:
     return out
 
 
+def bucket_numbers(gm: fx.GraphModule) -> dict[int, int]:
+    """The number each bucket is shown with: its place in execution order (the order of the
+    bucket's first collective in the graph), from its ``meta[BUCKET]`` id."""
+    order: dict[int, int] = {}
+    for n in gm.graph.nodes:
+        if is_collective(n) and n.meta.get(BUCKET) is not None:
+            order.setdefault(int(n.meta[BUCKET]), len(order))
+    return order
+
+
 def _buckets(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Bucket per node: ``meta[BUCKET]``, inherited by a wait from the collective it waits on."""
-    out = {}
+    """Bucket per node, numbered in execution order (``bucket_numbers``), inherited by a wait
+    from the collective it waits on."""
+    out, numbers = {}, bucket_numbers(gm)
     for n in gm.graph.nodes:
         b = n.meta.get(BUCKET)
+        b = numbers.get(int(b), int(b)) if b is not None else None
         if b is None and _is_wait(n) and n.args and isinstance(n.args[0], fx.Node):
             b = out.get(n.args[0])
         if b is not None:
@@ -202,6 +215,30 @@ def placement_str(p: Any) -> str:
     if kind == "partial":
         return f"P({p.reduce_op})"
     return str(p)
+
+
+def dtensor_str(p: Any) -> str:
+    """A placement as DTensor spells it: ``Shard(0)``, ``Replicate()``, ``Partial(avg)``,
+    ``_StridedShard(dim=0, sf=5)``; ``-`` for none. (A list: see ``placement_counts``.)"""
+    if p is None:
+        return "-"
+    if isinstance(p, _StridedShard):
+        return repr(p)
+    kind = placement_kind(p)
+    if kind == "shard":
+        return f"Shard({p.dim})"
+    if kind == "replicate":
+        return "Replicate()"
+    if kind == "partial":
+        return f"Partial({p.reduce_op})"
+    return str(p)
+
+
+def placement_counts(p: Any) -> Counter:
+    """How many values of each placement (DTensor's spelling) ``p`` holds: one, or one per
+    element of a list (a foreach or fused op's results)."""
+    items = p if isinstance(p, (list, tuple)) else [p]
+    return Counter(dtensor_str(q) for q in items if q is not None)
 
 
 def _module_path(node: fx.Node) -> tuple[str, str] | None:
@@ -313,7 +350,8 @@ def _node_label(node: fx.Node, role: str, sizer: _Sizer) -> str:
         if role == "grad":
             lines.append(f"grad {node.meta.get(PARAM_FQN, '')}")
     if node.meta.get(PLACEMENT) is not None:
-        lines.append(placement_str(node.meta[PLACEMENT]))
+        lines.append(", ".join(p + (f" ×{c}" if c > 1 else "")
+                               for p, c in placement_counts(node.meta[PLACEMENT]).items()))
     return "\n".join(lines)
 
 
@@ -332,8 +370,8 @@ def _node_attrs(node: fx.Node, role: str) -> dict[str, str]:
 
 def _add_legend(g: graphviz.Digraph, roles: Iterable[str], per_row: int = 6) -> None:
     """A legend cluster: one swatch per placement, one sample per role the graph uses, in rows."""
-    labels = {"shard": "Shard(d)  S(d) / _S(d, k)", "replicate": "Replicate  R",
-              "partial": "Partial  P(op)", "none": "no placement"}
+    labels = {"shard": "Shard(d)", "replicate": "Replicate()", "partial": "Partial(op)",
+              "none": "no placement"}
     items = [(f"legend_{k}", labels[k], dict(shape="box", style="filled", fillcolor=c))
              for k, c in PLACEMENT_COLORS.items()]
     items += [(f"legend_role_{r}", ROLE_DESCRIPTIONS[r],
@@ -406,10 +444,20 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
                               fillcolor="#fff5f0", color="#cb181d", fontsize="10") as bg:
                     for n in members:
                         bg.node(n.name, _node_label(n, roles[n], sizer), **_node_attrs(n, roles[n]))
-    order = [[n for n in shown if regions[n] == r and n.op != "placeholder"]
-             for r in dict.fromkeys(regions[n] for n in shown if regions[n])]
-    for above, below in zip(order, order[1:]):  # regions stacked in step order
-        g.edge(above[-1].name, below[0].name, style="invis")
+    # the regions side by side in step order, as columns with their tops aligned: each
+    # region's first node on one rank (reads across regions are drawn as copies, so no edge
+    # pulls a region below the one before it)
+    firsts = [next(n for n in shown if place[n] == r and n.op != "output")
+              for r in dict.fromkeys(place[n] for n in shown if place[n])]
+    with g.subgraph() as top:
+        top.attr(rank="same")
+        for left, right in zip(firsts, firsts[1:]):
+            top.edge(left.name, right.name, style="invis")
+    for region in dict.fromkeys(place[n] for n in shown if place[n]):  # inputs in rows of 6
+        heads = [name for (name, r) in copy_nodes if r == region] + [
+            n.name for n in shown if n.op == "placeholder" and place[n] == region]
+        for upper, lower in zip(heads, heads[_ROW:]):
+            g.edge(upper, lower, style="invis")
     with g.subgraph() as sub:  # the output at the bottom; placeholders sit next to their use
         sub.attr(rank="sink")
         for n in shown:
@@ -582,19 +630,28 @@ def collapsed_to_dot(gm: fx.GraphModule, title: str = "", *,
         with _cluster(g, region, **_region_attrs(region)) as rg:
             for gid in gids:
                 rg.node(gid, _group_label(groups[gid], sizer), **_group_attrs(groups[gid]))
-    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    edges: dict[tuple[str, str], list[fx.Node]] = defaultdict(list)
     for n in gm.graph.nodes:
         for inp in n.all_input_nodes:
             a, b = member_of[inp], member_of[n]
             if a != b:
-                edges[(a, b)].append(shape_str(inp.meta.get("val")))
-    for (a, b), shapes in edges.items():
-        distinct = [s for s in dict.fromkeys(shapes) if s]
-        g.edge(a, b, label=_short_list(distinct, 2), penwidth=str(min(1 + len(shapes) / 4, 4)))
+                edges[(a, b)].append(inp)
+    for (a, b), values in edges.items():
+        g.edge(a, b, label=_edge_label(list(dict.fromkeys(values)), sizer),
+               penwidth=str(min(1 + len(values) / 4, 4)))
     drawn_roles = {r for grp in groups.values() for r in grp["roles"]
                    if r in ("collective",) + tuple(_PLACEHOLDER_GROUPS)}
     _add_legend(g, [r for r in ROLE_STYLES if r in drawn_roles])
     return g
+
+
+def _edge_label(values: list[fx.Node], sizer: _Sizer) -> str:
+    """The tensors crossing a collapsed edge: their shapes (two at most) and their total size."""
+    shapes = [t for t in dict.fromkeys(shape_str(v.meta.get("val")) for v in values) if t]
+    nbytes = sum(sizer.nbytes(v.meta.get("val"))[0] for v in values)
+    if not shapes:
+        return ""
+    return f"{_short_list(shapes, 2)}\n{fmt_bytes(nbytes)}"
 
 
 def _group_label(grp: dict[str, Any], sizer: _Sizer) -> str:
@@ -612,11 +669,10 @@ def _group_label(grp: dict[str, Any], sizer: _Sizer) -> str:
             return f"{grp['title']}\n{len(nodes)} scalars"
         nbytes = sum(sizer.nbytes(n.meta.get("val"))[0] for n in nodes)
         return f"{grp['title']}\n{len(nodes)} tensors · {fmt_bytes(nbytes)}"
-    places = Counter(placement_str(n.meta[PLACEMENT]) for n in nodes
-                     if placement_kind(n.meta.get(PLACEMENT)) != "none")
+    places = sum((placement_counts(n.meta.get(PLACEMENT)) for n in nodes), Counter())
     lines = [grp["title"], f"{len(nodes)} ops"]
     if places:
-        lines.append(" ".join(f"{p}×{c}" for p, c in places.most_common(3)))
+        lines.append(", ".join(f"{p} ×{c}" for p, c in places.most_common(3)))
     return "\n".join(lines)
 
 
@@ -633,11 +689,13 @@ def _group_attrs(grp: dict[str, Any]) -> dict[str, str]:
         return attrs
     kinds = Counter(placement_kind(n.meta.get(PLACEMENT)) for n in nodes
                     if _tensors(n.meta.get("val")))
-    total = sum(kinds.values()) or 1
-    stripes = ":".join(f"{PLACEMENT_COLORS[k]};{c / total:.3f}" for k, c in kinds.items())
     if len(kinds) <= 1:
         return dict(shape="box", style="filled", color="#525252", penwidth="1.5",
                     fillcolor=PLACEMENT_COLORS[next(iter(kinds), "none")])
+    total = sum(kinds.values())
+    # fractions rounded down, the last colour takes the rest: Graphviz refuses a total over 1
+    shares = [f"{PLACEMENT_COLORS[k]};{int(c / total * 1000) / 1000:.3f}" for k, c in kinds.items()]
+    stripes = ":".join(shares[:-1] + [PLACEMENT_COLORS[list(kinds)[-1]]])
     return dict(shape="box", style="striped", fillcolor=stripes, color="#525252", penwidth="1.5")
 
 
@@ -889,6 +947,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     by_kind: dict[str, CollectiveStat] = {}
     by_bucket: dict[int, BucketStat] = {}
     several_dims = len(gm.meta.get(MESH_DIMS) or ()) > 1
+    numbers = bucket_numbers(gm)  # buckets in execution order
     labelled = len(gm.meta.get(MESH_DIMS) or ()) + len(gm.meta.get(PLAN_DIMS) or ()) > 1
     for n in collective_nodes(gm):
         kind = collective_kind(n)
@@ -900,7 +959,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         stat.bytes += nbytes
         stat.batch_dependent |= symbolic
         if n.meta.get(BUCKET) is not None:
-            index = int(n.meta[BUCKET])
+            index = numbers[int(n.meta[BUCKET])]
             b = by_bucket.setdefault(index, BucketStat(index, "", 0, 0, []))
             b.count += 1
             b.bytes += nbytes
@@ -918,9 +977,9 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         if role == Role.PARAM:
             fqn = n.meta.get(PARAM_FQN, n.name)
             val = n.meta.get("val")
-            placement = placement_str(n.meta.get(PLACEMENT))
+            placement = dtensor_str(n.meta.get(PLACEMENT))
             if several_dims:  # the outer dims of a data-parallel mesh replicate
-                placement = f"({', '.join(['R'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
+                placement = f"({', '.join(['Replicate()'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
             params.append(ParamStat(
                 fqn, placement, tuple(sizer.size(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
