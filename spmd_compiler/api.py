@@ -73,7 +73,6 @@ class CompiledStep:
         if not hasattr(self, "__name__"):  # a functools.partial, a callable object
             self.__name__ = getattr(getattr(fn, "func", type(fn)), "__name__", type(fn).__name__)
         self.fn, self.parallel_mode, self.backend = fn, parallel_mode, backend
-        # this step's own folder under the dump folder given: <dump_dir>/<step name>
         self.dump_dir = step_dump_folder(dump_dir or os.environ.get("SPMD_DUMP_DIR"), self.__name__)
         self.gm_transformation = gm_transformation
         self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory

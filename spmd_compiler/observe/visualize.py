@@ -160,10 +160,13 @@ def _assign_regions(gm: fx.GraphModule) -> dict[fx.Node, str | None]:
     return out
 
 
-def bucket_numbers(gm: fx.GraphModule) -> dict[int, int]:
+def bucket_numbers(gm: fx.GraphModule, cache: dict | None = None) -> dict[int, int]:
     """The number each bucket is shown with: its place in execution order (the order of the
-    bucket's first collective in the graph), from its ``meta[BUCKET]`` id."""
-    order: dict[int, int] = {}
+    bucket's first collective in the graph), from its ``meta[BUCKET]`` id. ``cache``: a dict
+    that keeps the answer for the next call."""
+    if cache is not None and "buckets" in cache:
+        return cache["buckets"]
+    order: dict[int, int] = {} if cache is None else cache.setdefault("buckets", {})
     for n in gm.graph.nodes:
         if is_collective(n) and n.meta.get(BUCKET) is not None:
             order.setdefault(int(n.meta[BUCKET]), len(order))
@@ -942,12 +945,11 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     one-liners (what bucketing, overlap, ... did). ``lowered``: the graph that actually runs
     (the eager backend's lowering of ``gm``), for the peak estimate.
     """
-    sizer = _Sizer(size_hints)
+    sizer, cache = _Sizer(size_hints), {}
     nodes = list(gm.graph.nodes)
     by_kind: dict[str, CollectiveStat] = {}
-    by_bucket: dict[int, BucketStat] = {}
+    by_bucket: dict[int, BucketStat] = {}  # by number in execution order (bucket_numbers)
     several_dims = len(gm.meta.get(MESH_DIMS) or ()) > 1
-    numbers = bucket_numbers(gm)  # buckets in execution order
     labelled = len(gm.meta.get(MESH_DIMS) or ()) + len(gm.meta.get(PLAN_DIMS) or ()) > 1
     for n in collective_nodes(gm):
         kind = collective_kind(n)
@@ -959,7 +961,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         stat.bytes += nbytes
         stat.batch_dependent |= symbolic
         if n.meta.get(BUCKET) is not None:
-            index = numbers[int(n.meta[BUCKET])]
+            index = bucket_numbers(gm, cache)[int(n.meta[BUCKET])]
             b = by_bucket.setdefault(index, BucketStat(index, "", 0, 0, []))
             b.count += 1
             b.bytes += nbytes
