@@ -338,6 +338,15 @@ def _write_summaries(entry: CompiledGraph, dump_dir: str | None, index: int) -> 
 
         write_summary(entry_summary(entry), folder)
         write_summary(entry_summary(entry), dump_dir)
+        _write_timeline(entry.run, folder)
+
+
+def _write_timeline(run, folder: str) -> None:
+    """The timeline of one step of the program ``run`` (an eager one) in ``folder``."""
+    if isinstance(run, torch.fx.GraphModule):
+        from .observe.timeline import write_timeline
+
+        write_timeline(run, folder, f"{os.path.basename(os.path.dirname(folder))}, {os.path.basename(folder)}")
 
 
 def _disk_cache(step: CompiledStep) -> tuple[str | None, str]:
@@ -432,6 +441,7 @@ def _explain(step: CompiledStep, sa: StepArgs, mesh, stand_in: bool):
         summary.at_other_sizes = world_notes(summary, step.parallel_mode.parallel_style)
     if step.dump_dir:
         write_summary(summary, step.dump_dir)
+        _write_timeline(runnable, dump_dir_for_compile(step.dump_dir, step.compile_count))
     return summary
 
 

@@ -165,5 +165,5 @@ def test_steps_sharing_a_dump_dir_get_a_folder_each(pool2, tmp_path):
     for name in ("train_step", "other_step"):
         first = tmp_path / name / "compile_0"
         assert any(p.name.endswith("_traced.dot") for p in first.iterdir()), name
-        assert (tmp_path / name / "summary.txt").exists()
+        assert (tmp_path / name / "summary.txt").exists() and (first / "timeline.svg").exists()
     assert all(s["dumps written"] > 0 for s in seconds)

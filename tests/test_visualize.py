@@ -408,3 +408,11 @@ def test_pictures_of_a_fully_shard_step_read_as_they_should(tmp_path):
     assert re.search(r"bucket 0\nall_gather", collapsed)
     res = subprocess.run([DOT, "-Tsvg"], input=collapsed, capture_output=True, text=True)
     assert res.returncode == 0 and not res.stderr.strip(), res.stderr
+    # the timeline: a lane per collective the program issues (gloo's all_gather: a broadcast
+    # per rank), from its issue to its wait, beside the compute in step order
+    timeline = (folder / "timeline.svg").read_text()
+    assert timeline.count('class="collective"') == summary.issued_per_call == 5
+    assert "broadcast from rank 1" in timeline and "reduce_scatter 7.41 KiB" in timeline
+    waits = [(int(a), int(b)) for a, b in re.findall(r"issued at op (\d+), waited at op (\d+)", timeline)]
+    assert len(waits) == 5 and all(a < b for a, b in waits)
+    assert {"forward", "backward", "optimizer"} <= set(re.findall(r"<title>(\w+): ops", timeline))
