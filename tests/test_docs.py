@@ -125,6 +125,10 @@ RANKS = {
         ((("docs/tensor_parallel.md", "import torch"),), ""),
 }
 
+# snippets that run as written, with no preamble: a reader copies them whole (under torchrun)
+WHOLE = {("README.md", "import torch"), ("docs/user_guide.md", "import torch"),
+         ("docs/user_guide.md", "import copy")}
+
 # what the text around the snippets introduces
 PREAMBLE = '''
 import torch
@@ -200,6 +204,7 @@ def test_every_block_is_listed():
     keys = {b.key for b in found if b.kind == "python"}
     for table in (PYTHON_NOT_RUN, LOCAL, RANKS):
         assert not set(table) - keys, f"listed snippets not in the docs: {set(table) - keys}"
+    assert WHOLE <= set(RANKS), WHOLE - set(RANKS)
     shell = [(b.page, c) for b in found if b.kind == "shell" for c in commands(b)]
     for page, start in SHELL_NOT_RUN:
         assert any(p == page and c.startswith(start) for p, c in shell), (page, start)
@@ -270,7 +275,7 @@ def snippet_job(preamble_path: str, paths: list[str]) -> str:
 
 def test_python_snippets_run_on_two_ranks(pool2, tmp_path):
     for n, (key, (before, setup)) in enumerate(RANKS.items()):
-        preamble = _write(tmp_path, f"preamble{n}", PREAMBLE + setup)
+        preamble = _write(tmp_path, f"preamble{n}", ("" if key in WHOLE else PREAMBLE) + setup)
         paths = [_write(tmp_path, f"{k[0]}{k[1][:20]}{n}", _snippet(k)) for k in (*before, key)]
         assert pool2.run(snippet_job, preamble, paths, timeout=300) == ["ok", "ok"], key
 
