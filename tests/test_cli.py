@@ -89,10 +89,14 @@ def _run_figures(style: str) -> dict:
     from spmd_compiler.api import entry_summary
     from tests.multirank import rank_data
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.manual_seed(0)
     model = SimpleMLP()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    step = spmd_compile(DataParallel(style))(train_step)
+    mesh = (init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            if style == "hybrid_shard" else None)
+    step = spmd_compile(DataParallel(style), mesh=mesh)(train_step)
     for i in range(2):
         step(model, opt, rank_data(i, (16, 50), (16, 8)))
     assert step.compile_count == 1
@@ -167,3 +171,15 @@ def test_steps_sharing_a_dump_dir_get_a_folder_each(pool2, tmp_path):
         assert any(p.name.endswith("_traced.dot") for p in first.iterdir()), name
         assert (tmp_path / name / "summary.txt").exists() and (first / "timeline.svg").exists()
     assert all(s["dumps written"] > 0 for s in seconds)
+
+
+@pytest.mark.multirank
+def test_explain_prints_the_figures_of_a_real_hybrid_shard_run(pool4):
+    """The same for hybrid_shard on a 2 x 2 mesh: explain's stand-in group of 4 ranks."""
+    torch.manual_seed(0)
+    model = SimpleMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    summary = explain(train_step, model, opt, (torch.randn(16, 50), torch.randn(16, 8)),
+                      parallel_mode=DataParallel("hybrid_shard"), world_size=(2, 2))
+    assert _figures(summary) == pool4.run(_run_figures, "hybrid_shard")[0]
+    assert summary.header() == "at world size 4 (mesh 2 x 2)"

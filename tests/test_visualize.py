@@ -365,7 +365,8 @@ def test_explain_counts_collectives_without_a_process_group_as_gloo_issues_them(
     gathers = sum(c.count for c in summary.collectives if c.kind == "all_gather")
     assert summary.issued_per_call == per_step + gathers * (3 - 1)
     assert summary.agreements_per_call == 0
-    assert "one broadcast per rank (3 here)" in summary.at_other_sizes["collectives issued per call"]
+    assert "one broadcast per rank of its group (3 here)" in summary.at_other_sizes[
+        "collectives issued per call"]
     assert summary.to_text().startswith("at world size 3\n")
 
 

@@ -1016,7 +1016,6 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
 def world_notes(summary: Summary, style: str) -> dict[str, str]:
     """Per figure of ``summary`` (a program built without a process group, at its world size
     N): what a run at another world size changes in it."""
-    n = summary.world_size
     sharded = style in ("fully_shard", "hybrid_shard")
     shard = (f"this rank's shard, ceil(rows / {summary.mesh_shape[-1]}) rows of each parameter: "
              f"smaller on more ranks" if sharded else "the whole tensor at any world size")
@@ -1027,7 +1026,8 @@ def world_notes(summary: Summary, style: str) -> dict[str, str]:
                  f"the whole bucket padded to a multiple of {summary.mesh_shape[-1]} rows"
                  if sharded else "the same all_reduces of the whole gradients at any world size"),
              "collectives issued per call": (
-                 f"gloo on CPU issues each all_gather as one broadcast per rank ({n} here); a "
+                 f"gloo on CPU issues each all_gather as one broadcast per rank of its group "
+                 f"({summary.mesh_shape[-1]} here); a "
                  "backend with its own all_gather (NCCL) issues one" if summary.gathers else
                  "the same at any world size"),
              "peak": ("the parameters gathered whole in the step do not change; the shards do"
