@@ -97,10 +97,15 @@ def _run_figures(style: str) -> dict:
     mesh = (init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
             if style == "hybrid_shard" else None)
     step = spmd_compile(DataParallel(style), mesh=mesh)(train_step)
+    # explain under the real process group first: the same figures, the optimizer left alone
+    explained = _figures(explain(step, model, opt, rank_data(0, (16, 50), (16, 8))))
+    assert not opt.state
     for i in range(2):
         step(model, opt, rank_data(i, (16, 50), (16, 8)))
     assert step.compile_count == 1
-    return _figures(entry_summary(step.last_compiled))
+    ran = _figures(entry_summary(step.last_compiled))
+    assert explained == ran, (explained, ran)
+    return ran
 
 
 @pytest.mark.multirank
