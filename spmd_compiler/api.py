@@ -437,6 +437,12 @@ def _explain(step: CompiledStep, sa: StepArgs, mesh, stand_in: bool):
     runnable = program.runnable
     summary = summarize(program.gm, compile_times=program.seconds,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
+    created = sorted({k for _, k in program.final_traced.new_state_keys})
+    if created:  # a real run's second compile holds it
+        summary.notes["optimizer state"] = (
+            f"0 B in this first program: the optimizer creates its state ({', '.join(created)}) "
+            f"on its first step and the step compiles again with it (Adam's and AdamW's are made "
+            f"before recording: one compile)")
     if stand_in:
         summary.at_other_sizes = world_notes(summary, step.parallel_mode.parallel_style)
     if step.dump_dir:
