@@ -455,14 +455,14 @@ GRAPH_CASES = {
     # name: (model, step, raf, expected all_gather, reduce_scatter, all_reduce) — SimpleMLP has 4
     # parameters; only net2.weight is read by the backward (net1's input needs no gradient).
     # TiedMLP has 7 distinct parameters; the backward reads hidden_a.weight (tied, gathered once
-    # for both uses) and out.weight. clip_grad_norm_ adds one scalar all_reduce per parameter
-    # (the partial sums of squares of _foreach_norm).
+    # for both uses) and out.weight. clip_grad_norm_ adds one all_reduce: the per-parameter
+    # partial sums of squares of _foreach_norm, stacked (not one per parameter).
     "SimpleMLP_reshard": ("SimpleMLP", "train_step", True, 4 + 1, 4, 0),
     "SimpleMLP_no_reshard": ("SimpleMLP", "train_step", False, 4, 4, 0),
     "TiedMLP_reshard": ("TiedMLP", "train_step", True, 7 + 2, 7, 0),
     "TiedMLP_no_reshard": ("TiedMLP", "train_step", False, 7, 7, 0),
-    "SimpleMLP_clip_reshard": ("SimpleMLP", "clip_step", True, 4 + 1, 4, 4),
-    "SimpleMLP_clip_no_reshard": ("SimpleMLP", "clip_step", False, 4, 4, 4),
+    "SimpleMLP_clip_reshard": ("SimpleMLP", "clip_step", True, 4 + 1, 4, 1),
+    "SimpleMLP_clip_no_reshard": ("SimpleMLP", "clip_step", False, 4, 4, 1),
 }
 
 
@@ -497,7 +497,8 @@ def test_collective_counts_unbucketed(pool):
             )
             assert set(g["counts"]) <= {"all_gather", "reduce_scatter", "all_reduce"}, g["counts"]
             assert g["waits"] == n_ag + n_rs + n_ar, g
-            assert all(math.prod(s) == 1 for s in g["all_reduce_shapes"]), g["all_reduce_shapes"]
+            # clipping's one all_reduce: a vector of the four parameters' partial norms
+            assert g["all_reduce_shapes"] == [(4,)] * n_ar, g["all_reduce_shapes"]
 
 
 # --------------------------------------------------------------------------------------------------
