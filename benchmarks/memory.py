@@ -20,6 +20,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from .models import MODELS
+from .stale import measured_at
 from .modes import all_modes
 from .report import _repo_relative
 from .run import (
@@ -132,9 +133,7 @@ def markdown(results: dict) -> str:
         "do not edit by hand. Speed: [benchmarks.md](benchmarks.md).",
         "",
         f"- Command: `{results['command']}`",
-        f"- Date (UTC): {m['date']}; commit {src['commit']}"
-        + (" with uncommitted changes to spmd_compiler/ or passes/"
-           if src["compiler_sources_modified"] else ""),
+        f"- Date (UTC): {m['date']}; {measured_at(src)}",
         f"- Machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}; load average "
         f"{m['load_average_start']:.1f} / {m['load_average_end']:.1f} at start / end",
         f"- World size {results['config']['world_size']}, gloo on 127.0.0.1, every (model, mode) "

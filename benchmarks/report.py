@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from .stale import measured_at
 from .modes import ABLATIONS
 from .results import MB
 
@@ -534,9 +535,7 @@ def markdown(results: dict, chart_rel: str | None, chart_note: str | None) -> st
         "## Setup",
         "",
         f"- Command: `{results['command']}`",
-        f"- Date (UTC): {m['date']}; commit {src['commit']}"
-        + (" with uncommitted changes to spmd_compiler/ or passes/"
-           if src["compiler_sources_modified"] else ""),
+        f"- Date (UTC): {m['date']}; {measured_at(src)}",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB; "
         f"Python {m['python']}, torch {m['torch']}",
         f"- 1-minute load average at start / end: {m['load_average_start']:.1f} / "

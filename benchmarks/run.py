@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .stale import source_revision
 from .models import MODELS, param_count
 from .modes import ABLATIONS, VARIANTS, ablation_run, all_modes
 from .report import progress_line, ratio_table, table, write_docs
@@ -182,16 +183,6 @@ def machine() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "load_average_start": os.getloadavg()[0],
     }
-
-
-def source_revision() -> dict:
-    """The commit measured, and whether the compiler's sources differed from it."""
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *cmd], capture_output=True,
-                              text=True).stdout.strip()
-
-    dirty = git("status", "--porcelain", "--", "spmd_compiler", "passes")
-    return {"commit": git("rev-parse", "--short", "HEAD"), "compiler_sources_modified": bool(dirty)}
 
 
 def provenance(module: str, argv: list[str]) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from .models import MODELS
+from .stale import measured_at
 from .run import add_output_options, output_paths, provenance, run_model, write_results
 
 MODES = ("ddp", "ddp_tuned", "spmd_replicate", "compute")
@@ -50,7 +51,7 @@ def markdown(sweep: dict) -> str:
         "world size 2 (gloo, one thread per rank), every (batch, mode) in fresh processes.",
         "",
         f"- Command: `{sweep['command']}`",
-        f"- Date (UTC): {m['date']}; commit {sweep['source']['commit']}; model "
+        f"- Date (UTC): {m['date']}; {measured_at(sweep['source'])}; model "
         f"`{sweep['model']}` ({MODELS[sweep['model']].description})",
         f"- 1-minute load average at start / end: {m['load_average_start']:.1f} / "
         f"{m['load_average_end']:.1f} (the machine has {m['cores']} cores; above that, other "

@@ -99,6 +99,17 @@ def train_step(model, optim, batch, max_norm: float):
     return loss, grad_norm
 
 
+def explain_args():
+    """The arguments ``python -m spmd_compiler explain examples/train.py:train_step`` compiles
+    the step with: this script's model, optimizer and one local batch at its default options."""
+    args = parse_args([])
+    model = Classifier(args.features, args.width, args.depth, args.classes)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    batch = (torch.randn(args.batch_size, args.features),
+             torch.randint(0, args.classes, (args.batch_size,)))
+    return model, optim, batch, args.max_norm
+
+
 # -- the job ----------------------------------------------------------------------------------
 
 

@@ -104,6 +104,9 @@ class PlacementError(Exception):
         super().__init__(f"batch-dim analysis: node {self.node} ({self.op}): {reason}\n{where}")
 
 
+_STACKING = frozenset({"stack", "unbind", "select"})  # keep each element's reduction as it is
+
+
 def _is_tensor(v) -> bool:
     return isinstance(v, torch.Tensor)
 
@@ -300,6 +303,8 @@ class _Analysis:
             args = _arguments(node)
             if args is not None and args["exponent"] == ins[0][1].norm_type:
                 return Partial("sum")  # |shard|_p ** p: a sum over the shards
+        if name in _STACKING and ins and all(isinstance(p, Partial) and p == ins[0][1] for _, p in ins):
+            return ins[0][1]  # partial values side by side (reductions stacked for one all_reduce)
         for _, p in ins:
             if isinstance(p, Partial) and p != AVG:
                 _fail(node, f"an input is {p} over parameter shards; it needs its all_reduce "

@@ -113,6 +113,7 @@ def expand_data_parallel(gm: fx.GraphModule, layout: Sequence[MeshDim], *,
     for node in graph.nodes:  # the expansion's own bookkeeping
         node.meta.pop(meta.LOGICAL_SHAPE, None)
     gm.meta[meta.MESH_DIMS] = [d.group_name for d in layout]
+    gm.meta[meta.MESH_SIZES] = [d.size for d in layout]
     return gm
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections import deque
+from collections import defaultdict, deque
 
 import torch
 import torch.fx as fx
@@ -308,6 +308,7 @@ def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -
     sharded: dict[fx.Node, tuple] = {
         n: n.meta[meta.LOGICAL_SHAPE] for n in graph.nodes if meta.LOGICAL_SHAPE in n.meta
     }
+    pending: list[tuple[fx.Node, fx.Node]] = []  # (value, reduction) made whole after the walk
     for node in list(graph.nodes):
         if node.meta.get(meta.REGION) != meta.Region.OPTIMIZER or node in sharded:
             continue
@@ -325,7 +326,7 @@ def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -
         logical = {sharded[a] for a in shard_inputs}
         outs = _values(node.meta.get("val"))
         if node.target in _NORMS or node.target in _SUMS or node.target in _MAXES:
-            _complete_reduction(graph, node, group_name)
+            pending.extend(_reductions(node))
             continue
         if _is_inplace_on(node, sharded) or all(
             getattr(o, "shape", None) is None or tuple(o.shape) in logical for o in outs
@@ -340,6 +341,8 @@ def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -
             f"updates and norm / sum / max reductions can run on shards. "
             f"User code: {node.meta.get('stack_trace', '<unknown>')}"
         )
+    if pending:
+        _complete_reductions(graph, pending, group_name)
     gm.recompile()
 
 
@@ -366,34 +369,64 @@ def _is_inplace_on(node: fx.Node, sharded: set[fx.Node]) -> bool:
                                     and any(a in sharded for a in node.args[0]))))
 
 
-def _complete_reduction(graph: fx.Graph, node: fx.Node, group_name: str) -> None:
-    """Make a reduction over shards whole: norms via sum of p-th powers, sums via sum, maxima
-    via max. For list-valued reductions (``_foreach_norm``) each element is completed."""
+def _reductions(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(value, reduction) of each value a reduction over shards yields: the node itself, or
+    each element (getitem) of a list-valued one (``_foreach_norm``)."""
     if isinstance(node.meta.get("val"), (list, tuple)):
-        for item in [u for u in node.users if u.target is operator.getitem]:
-            _complete_value(graph, item, node, group_name)
-        return
-    _complete_value(graph, node, node, group_name)
+        return [(u, node) for u in node.users if u.target is operator.getitem]
+    return [(node, node)]
 
 
-def _complete_value(graph: fx.Graph, value: fx.Node, reduction: fx.Node, group_name: str) -> None:
-    users = list(value.users)
-    region = value.meta.get(meta.REGION)
-    p = op = None
+def _how(reduction: fx.Node) -> tuple[str, float | None]:
+    """How values of ``reduction`` over shards are made whole: ("pow", p) for a p-norm (the
+    sum of p-th powers), ("sum", None) or ("max", None) (a sum, a maximum, an inf-norm)."""
     if reduction.target in _NORMS:
         p = reduction.args[1] if len(reduction.args) > 1 else reduction.kwargs.get("ord", 2)
         p = 2.0 if p is None else float(p)
-    if p is None or p == float("inf"):
-        op = "sum" if reduction.target in _SUMS else "max"
+        if p != float("inf"):
+            return "pow", p
+    return ("sum" if reduction.target in _SUMS else "max"), None
 
-    def complete(x):  # a p-norm: (the sum over shards of norm ** p) ** (1 / p)
-        if op is not None:
-            return waited(c10d.all_reduce.default, x, op, group_name)
-        summed = waited(c10d.all_reduce.default, aten.pow.Tensor_Scalar(x, p), "sum", group_name)
-        return aten.pow.Tensor_Scalar(summed, 1.0 / p)
 
-    whole = insert_traced(graph, complete, (value,), before=value.next, region=region,
-                          collective=collective_meta([]))
-    whole.meta[meta.PLACEMENT] = Replicate()
-    for u in users:
-        u.replace_input_with(value, whole)
+def _complete_reductions(graph: fx.Graph, pending: list[tuple[fx.Node, fx.Node]],
+                         group_name: str) -> None:
+    """Make the values of reductions over shards whole, in as few all_reduces as can be: values
+    completed alike (same kind, dtype and shape) share one all_reduce of them stacked when
+    every one of them is computed before any of them is read (clipping's per-parameter norms:
+    one all_reduce, not one per parameter)."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+    for value, reduction in pending:
+        val = value.meta["val"]
+        groups[(_how(reduction), val.dtype, tuple(val.shape))].append(value)
+    for (how, _, _), values in groups.items():
+        values.sort(key=position.__getitem__)
+        batch: list[fx.Node] = []
+        first_read = len(position)
+        for value in values:
+            if batch and position[value] >= first_read:
+                _complete_stacked(graph, batch, how, group_name)
+                batch, first_read = [], len(position)
+            batch.append(value)
+            first_read = min([first_read] + [position[u] for u in value.users])
+        _complete_stacked(graph, batch, how, group_name)
+
+
+def _complete_stacked(graph: fx.Graph, values: list[fx.Node], how: tuple[str, float | None],
+                      group_name: str) -> None:
+    """One all_reduce for ``values`` (in graph order, all computed before any is read), right
+    after the last of them; their readers then read the whole values."""
+    kind, p = how
+    users = {v: list(v.users) for v in values}
+
+    def complete(*xs):  # a p-norm: (the sum over shards of norm ** p) ** (1 / p)
+        stacked = aten.stack.default([aten.pow.Tensor_Scalar(x, p) for x in xs] if p else list(xs))
+        whole = waited(c10d.all_reduce.default, stacked, "sum" if p else kind, group_name)
+        return aten.unbind.int(aten.pow.Tensor_Scalar(whole, 1.0 / p) if p else whole)
+
+    wholes = insert_traced(graph, complete, tuple(values), before=values[-1].next,
+                           region=values[0].meta.get(meta.REGION), collective=collective_meta([]))
+    for value, whole in zip(values, wholes):
+        whole.meta[meta.PLACEMENT] = Replicate()
+        for u in users[value]:
+            u.replace_input_with(value, whole)

@@ -80,6 +80,8 @@ WORKSPACES = "spmd_workspaces"
 # list[str]: the process group name of each mesh dim, outermost first (passes/expand.py), so a
 # collective's group names the mesh dim it runs on.
 MESH_DIMS = "spmd_mesh_dims"
+# list[int]: the size of each of those mesh dims (passes/expand.py), for the summary's world size.
+MESH_SIZES = "spmd_mesh_sizes"
 # dict[str, str]: the process group name -> mesh dim name of each dim a tensor-parallel plan uses
 # (written by the tracer), so a plan's collective names the dim it runs on.
 PLAN_DIMS = "spmd_plan_dims"

@@ -20,14 +20,15 @@ import torch
 import torch.distributed as dist
 
 from .build import cache, shared_compile
-from .build.pipeline import STAGES, BuildOptions, build_program, dump_dir_for_compile, info
+from .build.pipeline import (STAGES, BuildOptions, build_program, dump_dir_for_compile, info,
+                             step_dump_folder)
 from .build.program_check import agree_on_program, describe_graph, describe_program
 from .errors import NoProcessGroupError, SPMDError
 from .features.accumulation import KeptGradients
 from .features.subclass_params import shard_context
 from .features.tensor_parallel import DataParallelDims, graph_inputs, has_plan
 from .observe import compile_log
-from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, check_policy, mesh_dims
+from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, check_policy
 from .runtime.agreement import CARRIER, RankCheck, await_agreement, dim_group_names, mesh_group
 from .runtime.call_args import StepArgs, lifted_hparams, split_step_args
 from .runtime.dispatch import (
@@ -76,7 +77,7 @@ class CompiledStep:
         if not hasattr(self, "__name__"):  # a functools.partial, a callable object
             self.__name__ = getattr(getattr(fn, "func", type(fn)), "__name__", type(fn).__name__)
         self.fn, self.parallel_mode, self.backend = fn, parallel_mode, backend
-        self.dump_dir = dump_dir or os.environ.get("SPMD_DUMP_DIR") or None
+        self.dump_dir = step_dump_folder(dump_dir or os.environ.get("SPMD_DUMP_DIR"), self.__name__)
         self.gm_transformation = gm_transformation
         self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory
         self.cache_dir = cache_dir
@@ -362,6 +363,15 @@ def _write_summaries(entry: CompiledGraph, dump_dir: str | None, index: int) -> 
 
         write_summary(entry_summary(entry), folder)
         write_summary(entry_summary(entry), dump_dir)
+        _write_timeline(entry.run, folder)
+
+
+def _write_timeline(run, folder: str) -> None:
+    """The timeline of one step of the program ``run`` (an eager one) in ``folder``."""
+    if isinstance(run, torch.fx.GraphModule):
+        from .observe.timeline import write_timeline
+
+        write_timeline(run, folder, f"{os.path.basename(os.path.dirname(folder))}, {os.path.basename(folder)}")
 
 
 def _disk_cache(step: CompiledStep) -> tuple[str | None, str]:
@@ -393,42 +403,76 @@ class _Ready(NamedTuple):
 
 def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = None,
             world_size: int | tuple[int, int] | None = None, dump_dir: str | None = None, **kwargs):
-    """Compile ``train_step(*args, **kwargs)`` without running it or touching the model and
-    optimizer; return the summary (``visualize.Summary``; ``.to_text()`` for the tables).
+    """Compile ``train_step(*args, **kwargs)`` as its first call would, without running it or
+    changing the model and optimizer; return the summary (``visualize.Summary``; ``.to_text()``
+    for the tables), the one a real run's first compile prints.
 
     Under an initialized process group the world size is the group's (the step's mesh, if it
-    was given one); otherwise give ``world_size`` (default 2) to see what the step would do at
-    that size; for hybrid_shard a (replicate, shard) mesh shape (an int n: ``(n // 2, 2)``).
+    was given one); otherwise the program is built on a stand-in group of ``world_size`` ranks
+    (default 2; for hybrid_shard a (replicate, shard) mesh shape, an int n: ``(n // 2, 2)``) in
+    this process, as rank 0 of a gloo run on CPU builds it: the gloo lowering and the per-call
+    agreement included. Adam's and AdamW's state is made first as the compiled step makes it,
+    then taken away again.
     """
-    from .observe.visualize import summarize, write_summary
-
     step = train_step if isinstance(train_step, CompiledStep) else CompiledStep(
         train_step, parallel_mode or DataParallel("replicate"), dump_dir=dump_dir)
-    mesh = None
     if dist.is_available() and dist.is_initialized():
-        mesh = call_mesh(step.mesh, torch.device("cpu"))
-        dims = mesh_dims(mesh)
-    elif step.parallel_mode.parallel_style == "hybrid_shard":
+        sa = _explained_args(step, args, kwargs)
+        mesh = call_mesh(step.mesh, module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
+        return _explain(step, sa, mesh, stand_in=False)
+    hybrid = step.parallel_mode.parallel_style == "hybrid_shard"
+    if hybrid:
         shape = world_size if isinstance(world_size, tuple) else (max(1, (world_size or 4) // 2), 2)
-        dims = [("explain_replicate", shape[0]), ("explain_shard", shape[1])]
     else:
-        dims = [("explain", world_size or 2)]
-    sa = split_step_args(args, kwargs, step.parallel_mode.input_batch_dim,
-                         step.parallel_mode.dynamic_dims, step.fn)
-    program = build_program(step.fn, sa, build_options(step, dims, mesh=mesh))
+        shape = (world_size or 2,)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .torch_internals import stand_in_process_group
+
+    with stand_in_process_group(int(torch.tensor(shape).prod())):
+        sa = _explained_args(step, args, kwargs)
+        device = module_device(sa.module, [sa.leaves[i] for i in sa.input_indices])
+        mesh = init_device_mesh(device.type, shape,
+                                mesh_dim_names=("replicate", "shard") if hybrid else None)
+        return _explain(step, sa, mesh, stand_in=True)
+
+
+def _explained_args(step: CompiledStep, args: tuple, kwargs: dict) -> StepArgs:
+    mode = step.parallel_mode
+    return split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, step.fn)
+
+
+def _explain(step: CompiledStep, sa: StepArgs, mesh, stand_in: bool):
+    """The summary of the program ``step``'s first compile on ``mesh`` builds (compile's own
+    options: the data-parallel dims, the agreement's group, Adam's state made before recording);
+    the optimizers' state made here is taken away again."""
+    from .observe.visualize import summarize, world_notes, write_summary
+
+    fresh = [opt for opt in sa.optimizers if not opt.state]
+    sharded = step.parallel_mode.parallel_style in SHARDED_STYLES and not has_plan(sa.module)
+    data_mesh = step._data_mesh(mesh, sa)
+    group = mesh_group(mesh)
+    try:
+        with optimizer_state.made_before_recording(sa.optimizers, bool(step._kept.mode), sharded):
+            program = build_program(step.fn, sa, build_options(
+                step, step._data_dims(mesh, sa), None, data_mesh, group.group_name))
+    finally:
+        for opt in fresh:
+            opt.state.clear()
     runnable = program.runnable
-    created = sorted({k for _, k in program.final_traced.new_state_keys})
-    notes = {"optimizer state": f"0 B so far: the optimizer creates its state ({', '.join(created)}) "
-             f"on its first step; the compiled step makes Adam's and AdamW's before recording (one "
-             f"compile), other optimizers' in a first program of their own"} if created else None
-    summary = summarize(program.gm, compile_times=program.seconds, notes=notes,
+    summary = summarize(program.gm, compile_times=program.seconds,
                         lowered=runnable if isinstance(runnable, torch.fx.GraphModule) else None)
-    if mesh is None and summary.gathers:
-        summary.notes["collectives issued per call"] = (
-            "counted without a process group: under gloo each all_gather is issued as one "
-            "broadcast per rank (world - 1 more per all_gather)")
+    created = sorted({k for _, k in program.final_traced.new_state_keys})
+    if created:  # a real run's second compile holds it
+        summary.notes["optimizer state"] = (
+            f"0 B in this first program: the optimizer creates its state ({', '.join(created)}) "
+            f"on its first step and the step compiles again with it (Adam's and AdamW's are made "
+            f"before recording: one compile)")
+    if stand_in:
+        summary.at_other_sizes = world_notes(summary, step.parallel_mode.parallel_style)
     if step.dump_dir:
         write_summary(summary, step.dump_dir)
+        _write_timeline(runnable, dump_dir_for_compile(step.dump_dir, step.compile_count))
     return summary
 
 

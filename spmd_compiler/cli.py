@@ -141,30 +141,91 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder for per-stage graph dumps (default: a new temporary folder)")
     d.add_argument("--tolerance", type=float, default=1e-5,
                    help="max allowed |param - DDP param| (default 1e-5)")
-    e = sub.add_parser("explain", help="compile the demo model's step without running it and "
-                                         "print what the compiler did (no processes, no training)")
-    e.add_argument("--mode", default="fully_shard",
+    e = sub.add_parser(
+        "explain", help="compile a step without running it and print what the compiler did (no "
+                        "processes, no training): the demo model's, or your own",
+        description="Compile a training step as its first call would and print the summary a "
+                    "real run prints. STEP is path/to/file.py:train_step or package.module:train_step; "
+                    "the file (or module) also defines explain_args() (or the function --args "
+                    "names) returning the step's positional arguments, e.g. (model, optim, batch). "
+                    "Without STEP: the demo model's step.")
+    e.add_argument("step", nargs="?", default=None,
+                   help="the step to explain: FILE.py:FUNCTION or MODULE:FUNCTION (default: the demo's)")
+    e.add_argument("--args", default="explain_args",
+                   help="the function next to the step returning its arguments (default explain_args)")
+    e.add_argument("--mode", default=None,
                    choices=["replicate", "fully_shard", "hybrid_shard"],
-                   help="parallel style (default fully_shard; hybrid_shard on a (world // 2, 2) mesh)")
+                   help="parallel style (default: the step's own if it is spmd_compile'd, else "
+                        "fully_shard; hybrid_shard on a (world // 2, 2) mesh)")
     e.add_argument("--world-size", type=int, default=2, help="world size to compile for (default 2)")
-    e.add_argument("--batch", type=int, default=32, help="local batch size (default 32)")
+    e.add_argument("--batch", type=int, default=32, help="the demo's local batch size (default 32)")
     e.add_argument("--dump-dir", default=None, help="also write every stage's graph and the summary here")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args)
-    return explain_demo(args)
+    from .errors import SPMDError
+
+    try:
+        return explain_demo(args)
+    except SPMDError as e:
+        print(f"spmd_compiler explain: {e}", file=sys.stderr)
+        return 2
+
+
+def load_step(spec: str, args_name: str = "explain_args"):
+    """(the step function, its arguments) from ``FILE.py:FUNCTION`` or ``MODULE:FUNCTION``; the
+    arguments are what the file's ``args_name()`` returns (a tuple, or one value)."""
+    import importlib
+    import importlib.util
+
+    from .errors import SPMDError
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise SPMDError(f"explain takes FILE.py:FUNCTION or MODULE:FUNCTION, got {spec!r}")
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise SPMDError(f"explain: no file {where!r}")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        module_spec = importlib.util.spec_from_file_location(
+            os.path.splitext(os.path.basename(where))[0], where)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules.setdefault(module_spec.name, module)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    for attr in (name, args_name):
+        if not callable(getattr(module, attr, None)):
+            raise SPMDError(
+                f"explain: {where} defines no function {attr!r}"
+                + ("" if attr == name else f" (it returns the arguments of {name}, e.g. "
+                   f"(model, optim, batch); see docs/observability.md)"))
+    step_args = getattr(module, args_name)()
+    return getattr(module, name), step_args if isinstance(step_args, tuple) else (step_args,)
 
 
 def explain_demo(args: argparse.Namespace) -> int:
-    """Print the summary of the demo step compiled for ``args.mode`` at ``args.world_size``."""
+    """Print the summary of a step (the demo's, or ``args.step``) compiled for ``args.mode`` at
+    ``args.world_size``."""
     from spmd_compiler import DataParallel, explain
+    from spmd_compiler.api import CompiledStep
 
-    model = DemoMLP()
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    batch = (torch.randn(args.batch, 50), torch.rand(args.batch, 8))
-    summary = explain(demo_train_step, model, optim, batch, parallel_mode=DataParallel(args.mode),
-                      world_size=args.world_size, dump_dir=args.dump_dir)
-    print(f"DataParallel({args.mode!r}) at world size {args.world_size}, local batch {args.batch}:\n")
+    if args.step:
+        fn, step_args = load_step(args.step, args.args)
+        what = args.step
+    else:
+        model = DemoMLP()
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        fn, step_args = demo_train_step, (model, optim, (torch.randn(args.batch, 50), torch.rand(args.batch, 8)))
+        what = f"the demo step, local batch {args.batch}"
+    if isinstance(fn, CompiledStep):
+        mode = DataParallel(args.mode) if args.mode else fn.parallel_mode
+        fn = fn if not args.mode else fn.fn
+    else:
+        mode = DataParallel(args.mode or "fully_shard")
+    summary = explain(fn, *step_args, parallel_mode=mode, world_size=args.world_size,
+                      dump_dir=args.dump_dir)
+    print(f"{what}, DataParallel({mode.parallel_style!r}):\n")
     print(summary.to_text())
     if args.dump_dir:
         print(f"\ngraph dumps: {args.dump_dir}")

@@ -539,6 +539,21 @@ def default_store():
     return distributed_c10d._get_default_store()
 
 
+@contextlib.contextmanager
+def stand_in_process_group(world: int):
+    """A default process group of ``world`` ranks in this one process, this process rank 0,
+    whose collectives move nothing (torch's testing ``fake`` backend): what a program is built
+    against where there is no process group (``explain``). Destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def register_group_alias(name: str, group) -> bool:
     """Let the functional collectives find ``group`` under ``name`` too (c10d's registry of
     group names); True if ``name`` now names ``group``, False if it names another group."""

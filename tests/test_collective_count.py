@@ -160,3 +160,56 @@ def test_replicate_issues_no_more_collectives_than_ddp(pool2, case):
         # the per-call agreement rides in the first gradient all_reduce (SimpleMLP) or beside
         # the buffers' bytes (ConvBN)
         assert counts["spmd"] <= counts["ddp"], (check_ranks, counts)
+
+
+def clip_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    optim.step()
+    return loss
+
+
+def _clip_count_job(style: str) -> dict:
+    """gloo's collectives per call of a clipping step (seven parameters), by kind, and the
+    summary's count."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from spmd_compiler import DataParallel, spmd_compile
+    from spmd_compiler.api import entry_summary
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16),
+                          nn.Linear(16, 4, bias=False))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mesh = (init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+            if style == "hybrid_shard" else None)
+    step = spmd_compile(DataParallel(style), mesh=mesh)(clip_step)
+    batches = [rank_data(i, (8, 12), (8, 4)) for i in range(2 + STEPS)]
+    for b in batches[:2]:
+        step(model, opt, b)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for b in batches[2:]:
+            step(model, opt, b)
+    counts = Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
+    return {"per_call": {k: v / STEPS for k, v in counts.items()},
+            "summary": entry_summary(step.last_compiled).issued_per_call,
+            "kinds": {c.kind: c.count for c in entry_summary(step.last_compiled).collectives}}
+
+
+@pytest.mark.parametrize("style", ["fully_shard", "hybrid_shard"])
+def test_clipping_issues_one_all_reduce_for_the_norm(pool2, style):
+    """clip_grad_norm_ over parameter shards completes the per-parameter norms with one
+    all_reduce of them stacked, not one per parameter (seven here)."""
+    counts = pool2.run(_clip_count_job, style)[0]
+    kinds = counts["kinds"]
+    # hybrid_shard: the norm's on the shard dim (the gradients' all_reduce runs on the other)
+    assert kinds["all_reduce" if style == "fully_shard" else "all_reduce (mesh dim 1)"] == 1, counts
+    assert sum(counts["per_call"].values()) == counts["summary"], counts
+    # gloo runs each reduce_scatter as an in-place all_reduce (passes/gloo_collectives.py), and
+    # the per-call agreement may need one of its own
+    reduces = sum(n for k, n in kinds.items() if k.startswith(("all_reduce", "reduce_scatter")))
+    assert counts["per_call"]["gloo:all_reduce"] <= reduces + 1, counts

@@ -419,7 +419,8 @@ def test_collectives_cover_each_parameter(pool, case):
     """With the default options (bucketing may merge collectives): every parameter is
     reduce-scattered once, gathered once for the forward and, with reshard_after_forward, once more
     for the backward exactly when the backward reads it; no gradient is all-reduced whole (the only
-    all_reduces are the scalar partial norms of clip_grad_norm_)."""
+    all_reduces are the scalar parameters' and clip_grad_norm_'s: one, of the parameters' partial
+    norms stacked, not one per parameter)."""
     spec = CASES[case]
     raf = spec.get("raf", True)
     rep = _case_report(pool, case, 0)
@@ -438,10 +439,11 @@ def test_collectives_cover_each_parameter(pool, case):
     ar = covered.get("all_reduce", {})
     assert sorted(f for fqns in ar.values() for f in fqns) == scalars, ar
     shapes = rep["graph"]["all_reduce_shapes"]
-    assert all(math.prod(s) == 1 for s in shapes), f"non-scalar all_reduce: {shapes}"
     if spec.get("step") in _CLIP_STEPS:
-        assert len(shapes) > len(scalars), shapes
+        assert len(shapes) == len(scalars) + 1, shapes
+        assert sorted(math.prod(s) for s in shapes)[:-1] == [1] * len(scalars), shapes
     else:
+        assert all(math.prod(s) == 1 for s in shapes), f"non-scalar all_reduce: {shapes}"
         assert len(shapes) == len(scalars), f"all_reduce in a step without clipping: {shapes}"
 
 
@@ -453,14 +455,14 @@ GRAPH_CASES = {
     # name: (model, step, raf, expected all_gather, reduce_scatter, all_reduce) — SimpleMLP has 4
     # parameters; only net2.weight is read by the backward (net1's input needs no gradient).
     # TiedMLP has 7 distinct parameters; the backward reads hidden_a.weight (tied, gathered once
-    # for both uses) and out.weight. clip_grad_norm_ adds one scalar all_reduce per parameter
-    # (the partial sums of squares of _foreach_norm).
+    # for both uses) and out.weight. clip_grad_norm_ adds one all_reduce: the per-parameter
+    # partial sums of squares of _foreach_norm, stacked (not one per parameter).
     "SimpleMLP_reshard": ("SimpleMLP", "train_step", True, 4 + 1, 4, 0),
     "SimpleMLP_no_reshard": ("SimpleMLP", "train_step", False, 4, 4, 0),
     "TiedMLP_reshard": ("TiedMLP", "train_step", True, 7 + 2, 7, 0),
     "TiedMLP_no_reshard": ("TiedMLP", "train_step", False, 7, 7, 0),
-    "SimpleMLP_clip_reshard": ("SimpleMLP", "clip_step", True, 4 + 1, 4, 4),
-    "SimpleMLP_clip_no_reshard": ("SimpleMLP", "clip_step", False, 4, 4, 4),
+    "SimpleMLP_clip_reshard": ("SimpleMLP", "clip_step", True, 4 + 1, 4, 1),
+    "SimpleMLP_clip_no_reshard": ("SimpleMLP", "clip_step", False, 4, 4, 1),
 }
 
 
@@ -495,7 +497,8 @@ def test_collective_counts_unbucketed(pool):
             )
             assert set(g["counts"]) <= {"all_gather", "reduce_scatter", "all_reduce"}, g["counts"]
             assert g["waits"] == n_ag + n_rs + n_ar, g
-            assert all(math.prod(s) == 1 for s in g["all_reduce_shapes"]), g["all_reduce_shapes"]
+            # clipping's one all_reduce: a vector of the four parameters' partial norms
+            assert g["all_reduce_shapes"] == [(4,)] * n_ar, g["all_reduce_shapes"]
 
 
 # --------------------------------------------------------------------------------------------------

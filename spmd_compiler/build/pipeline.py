@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -298,6 +299,9 @@ def build_program(fn: Callable, sa: StepArgs, options: BuildOptions) -> Program:
                    notes=dict(gm.meta.get(meta.NOTES, {})))
 
 
+DUMPS = "dumps written"  # seconds of a compile spent writing (and rendering) the stage dumps
+
+
 def run_stages(stages: list[Stage], build: _Build) -> tuple[torch.fx.GraphModule, dict[str, float]]:
     """Run the stages that apply, in order (see the module docstring); the last graph and the
     seconds per stage."""
@@ -324,7 +328,9 @@ def run_stages(stages: list[Stage], build: _Build) -> tuple[torch.fx.GraphModule
         if build.options.dump_dir:
             from ..observe import visualize
 
+            start = time.perf_counter()
             visualize.dump_stage(gm, stage.name, build.options.dump_dir, index=len(done))
+            seconds[DUMPS] = seconds.get(DUMPS, 0.0) + time.perf_counter() - start
         done.append(stage.name)
     return gm, seconds
 
@@ -340,8 +346,25 @@ def disabled_passes() -> set[str]:
     return names & optional
 
 
+_CLAIMED: set[str] = set()  # the step folders of this process's compiled steps
+
+
+def step_dump_folder(dump_dir: str | None, name: str) -> str | None:
+    """``<dump_dir>/<name>``: one compiled step's dumps, apart from every other step's that
+    shares ``dump_dir`` (a second step of the same name gets ``<name>_2``, ...)."""
+    if not dump_dir:
+        return None
+    base = os.path.join(dump_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "step")
+    folder, n = base, 1
+    while folder in _CLAIMED:
+        n += 1
+        folder = f"{base}_{n}"
+    _CLAIMED.add(folder)
+    return folder
+
+
 def dump_dir_for_compile(dump_dir: str | None, index: int) -> str | None:
-    """``<dump_dir>/compile_<n>`` for the n-th compile, on rank 0 only (every rank with
+    """``<dump_dir>/compile_<n>`` (``dump_dir``: the step's folder) for the n-th compile, on rank 0 only (every rank with
     SPMD_LOG_ALL_RANKS, in ``rank_<r>`` subfolders)."""
     if not dump_dir:
         return None

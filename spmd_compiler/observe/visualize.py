@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from spmd_compiler.passes.memory_plan import lifetimes
 from spmd_compiler.passes.expand import collective_dim
 from spmd_compiler.passes.meta import (
-    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, NOTES, PARAM_FQN, PLACEMENT,
+    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, MESH_SIZES, NOTES, PARAM_FQN, PLACEMENT,
     PLAN_DIMS, PLAN_PLACEMENT, REGION, ROLE, STATE_KEY, WORKSPACES, Role,
 )
 
@@ -37,6 +37,7 @@ from ..torch_internals import _StridedShard
 log = logging.getLogger("spmd_compiler")
 
 DEFAULT_MAX_NODES = 400
+_ROW = 6  # a region's inputs (state, copies of values made elsewhere) are drawn this many a row
 _SCALAR_REACH = 8  # a symbolic scalar read more than this many nodes later is drawn again there
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 _FONT = "Helvetica"
@@ -159,11 +160,26 @@ def _assign_regions(gm: fx.GraphModule) -> dict[fx.Node, str | None]:
     return out
 
 
+def bucket_numbers(gm: fx.GraphModule, cache: dict | None = None) -> dict[int, int]:
+    """The number each bucket is shown with: its place in execution order (the order of the
+    bucket's first collective in the graph), from its ``meta[BUCKET]`` id. ``cache``: a dict
+    that keeps the answer for the next call."""
+    if cache is not None and "buckets" in cache:
+        return cache["buckets"]
+    order: dict[int, int] = {} if cache is None else cache.setdefault("buckets", {})
+    for n in gm.graph.nodes:
+        if is_collective(n) and n.meta.get(BUCKET) is not None:
+            order.setdefault(int(n.meta[BUCKET]), len(order))
+    return order
+
+
 def _buckets(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Bucket per node: ``meta[BUCKET]``, inherited by a wait from the collective it waits on."""
-    out = {}
+    """Bucket per node, numbered in execution order (``bucket_numbers``), inherited by a wait
+    from the collective it waits on."""
+    out, numbers = {}, bucket_numbers(gm)
     for n in gm.graph.nodes:
         b = n.meta.get(BUCKET)
+        b = numbers.get(int(b), int(b)) if b is not None else None
         if b is None and _is_wait(n) and n.args and isinstance(n.args[0], fx.Node):
             b = out.get(n.args[0])
         if b is not None:
@@ -202,6 +218,30 @@ def placement_str(p: Any) -> str:
     if kind == "partial":
         return f"P({p.reduce_op})"
     return str(p)
+
+
+def dtensor_str(p: Any) -> str:
+    """A placement as DTensor spells it: ``Shard(0)``, ``Replicate()``, ``Partial(avg)``,
+    ``_StridedShard(dim=0, sf=5)``; ``-`` for none. (A list: see ``placement_counts``.)"""
+    if p is None:
+        return "-"
+    if isinstance(p, _StridedShard):
+        return repr(p)
+    kind = placement_kind(p)
+    if kind == "shard":
+        return f"Shard({p.dim})"
+    if kind == "replicate":
+        return "Replicate()"
+    if kind == "partial":
+        return f"Partial({p.reduce_op})"
+    return str(p)
+
+
+def placement_counts(p: Any) -> Counter:
+    """How many values of each placement (DTensor's spelling) ``p`` holds: one, or one per
+    element of a list (a foreach or fused op's results)."""
+    items = p if isinstance(p, (list, tuple)) else [p]
+    return Counter(dtensor_str(q) for q in items if q is not None)
 
 
 def _module_path(node: fx.Node) -> tuple[str, str] | None:
@@ -313,7 +353,8 @@ def _node_label(node: fx.Node, role: str, sizer: _Sizer) -> str:
         if role == "grad":
             lines.append(f"grad {node.meta.get(PARAM_FQN, '')}")
     if node.meta.get(PLACEMENT) is not None:
-        lines.append(placement_str(node.meta[PLACEMENT]))
+        lines.append(", ".join(p + (f" ×{c}" if c > 1 else "")
+                               for p, c in placement_counts(node.meta[PLACEMENT]).items()))
     return "\n".join(lines)
 
 
@@ -332,8 +373,8 @@ def _node_attrs(node: fx.Node, role: str) -> dict[str, str]:
 
 def _add_legend(g: graphviz.Digraph, roles: Iterable[str], per_row: int = 6) -> None:
     """A legend cluster: one swatch per placement, one sample per role the graph uses, in rows."""
-    labels = {"shard": "Shard(d)  S(d) / _S(d, k)", "replicate": "Replicate  R",
-              "partial": "Partial  P(op)", "none": "no placement"}
+    labels = {"shard": "Shard(d)", "replicate": "Replicate()", "partial": "Partial(op)",
+              "none": "no placement"}
     items = [(f"legend_{k}", labels[k], dict(shape="box", style="filled", fillcolor=c))
              for k, c in PLACEMENT_COLORS.items()]
     items += [(f"legend_role_{r}", ROLE_DESCRIPTIONS[r],
@@ -406,10 +447,20 @@ def graph_to_dot(gm: fx.GraphModule, title: str = "", *, max_nodes: int = DEFAUL
                               fillcolor="#fff5f0", color="#cb181d", fontsize="10") as bg:
                     for n in members:
                         bg.node(n.name, _node_label(n, roles[n], sizer), **_node_attrs(n, roles[n]))
-    order = [[n for n in shown if regions[n] == r and n.op != "placeholder"]
-             for r in dict.fromkeys(regions[n] for n in shown if regions[n])]
-    for above, below in zip(order, order[1:]):  # regions stacked in step order
-        g.edge(above[-1].name, below[0].name, style="invis")
+    # the regions side by side in step order, as columns with their tops aligned: each
+    # region's first node on one rank (reads across regions are drawn as copies, so no edge
+    # pulls a region below the one before it)
+    firsts = [next(n for n in shown if place[n] == r and n.op != "output")
+              for r in dict.fromkeys(place[n] for n in shown if place[n])]
+    with g.subgraph() as top:
+        top.attr(rank="same")
+        for left, right in zip(firsts, firsts[1:]):
+            top.edge(left.name, right.name, style="invis")
+    for region in dict.fromkeys(place[n] for n in shown if place[n]):  # inputs in rows of 6
+        heads = [name for (name, r) in copy_nodes if r == region] + [
+            n.name for n in shown if n.op == "placeholder" and place[n] == region]
+        for upper, lower in zip(heads, heads[_ROW:]):
+            g.edge(upper, lower, style="invis")
     with g.subgraph() as sub:  # the output at the bottom; placeholders sit next to their use
         sub.attr(rank="sink")
         for n in shown:
@@ -582,19 +633,28 @@ def collapsed_to_dot(gm: fx.GraphModule, title: str = "", *,
         with _cluster(g, region, **_region_attrs(region)) as rg:
             for gid in gids:
                 rg.node(gid, _group_label(groups[gid], sizer), **_group_attrs(groups[gid]))
-    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    edges: dict[tuple[str, str], list[fx.Node]] = defaultdict(list)
     for n in gm.graph.nodes:
         for inp in n.all_input_nodes:
             a, b = member_of[inp], member_of[n]
             if a != b:
-                edges[(a, b)].append(shape_str(inp.meta.get("val")))
-    for (a, b), shapes in edges.items():
-        distinct = [s for s in dict.fromkeys(shapes) if s]
-        g.edge(a, b, label=_short_list(distinct, 2), penwidth=str(min(1 + len(shapes) / 4, 4)))
+                edges[(a, b)].append(inp)
+    for (a, b), values in edges.items():
+        g.edge(a, b, label=_edge_label(list(dict.fromkeys(values)), sizer),
+               penwidth=str(min(1 + len(values) / 4, 4)))
     drawn_roles = {r for grp in groups.values() for r in grp["roles"]
                    if r in ("collective",) + tuple(_PLACEHOLDER_GROUPS)}
     _add_legend(g, [r for r in ROLE_STYLES if r in drawn_roles])
     return g
+
+
+def _edge_label(values: list[fx.Node], sizer: _Sizer) -> str:
+    """The tensors crossing a collapsed edge: their shapes (two at most) and their total size."""
+    shapes = [t for t in dict.fromkeys(shape_str(v.meta.get("val")) for v in values) if t]
+    nbytes = sum(sizer.nbytes(v.meta.get("val"))[0] for v in values)
+    if not shapes:
+        return ""
+    return f"{_short_list(shapes, 2)}\n{fmt_bytes(nbytes)}"
 
 
 def _group_label(grp: dict[str, Any], sizer: _Sizer) -> str:
@@ -612,11 +672,10 @@ def _group_label(grp: dict[str, Any], sizer: _Sizer) -> str:
             return f"{grp['title']}\n{len(nodes)} scalars"
         nbytes = sum(sizer.nbytes(n.meta.get("val"))[0] for n in nodes)
         return f"{grp['title']}\n{len(nodes)} tensors · {fmt_bytes(nbytes)}"
-    places = Counter(placement_str(n.meta[PLACEMENT]) for n in nodes
-                     if placement_kind(n.meta.get(PLACEMENT)) != "none")
+    places = sum((placement_counts(n.meta.get(PLACEMENT)) for n in nodes), Counter())
     lines = [grp["title"], f"{len(nodes)} ops"]
     if places:
-        lines.append(" ".join(f"{p}×{c}" for p, c in places.most_common(3)))
+        lines.append(", ".join(f"{p} ×{c}" for p, c in places.most_common(3)))
     return "\n".join(lines)
 
 
@@ -633,11 +692,13 @@ def _group_attrs(grp: dict[str, Any]) -> dict[str, str]:
         return attrs
     kinds = Counter(placement_kind(n.meta.get(PLACEMENT)) for n in nodes
                     if _tensors(n.meta.get("val")))
-    total = sum(kinds.values()) or 1
-    stripes = ":".join(f"{PLACEMENT_COLORS[k]};{c / total:.3f}" for k, c in kinds.items())
     if len(kinds) <= 1:
         return dict(shape="box", style="filled", color="#525252", penwidth="1.5",
                     fillcolor=PLACEMENT_COLORS[next(iter(kinds), "none")])
+    total = sum(kinds.values())
+    # fractions rounded down, the last colour takes the rest: Graphviz refuses a total over 1
+    shares = [f"{PLACEMENT_COLORS[k]};{int(c / total * 1000) / 1000:.3f}" for k, c in kinds.items()]
+    stripes = ":".join(shares[:-1] + [PLACEMENT_COLORS[list(kinds)[-1]]])
     return dict(shape="box", style="striped", fillcolor=stripes, color="#525252", penwidth="1.5")
 
 
@@ -749,6 +810,18 @@ class Summary:
     compile_times: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # per pass: what it did
     gathers: list[GatherStat] = field(default_factory=list)
+    mesh_shape: tuple[int, ...] = ()  # the data-parallel mesh the program was built for
+    # explain without a process group: per figure, how another world size changes it
+    at_other_sizes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return int(torch.tensor(self.mesh_shape or (1,)).prod())
+
+    def header(self) -> str:
+        """``at world size N`` (and the mesh's shape where it has several dims)."""
+        mesh = f" (mesh {' x '.join(map(str, self.mesh_shape))})" if len(self.mesh_shape) > 1 else ""
+        return f"at world size {self.world_size}{mesh}"
 
     @property
     def collective_bytes(self) -> int:
@@ -789,6 +862,11 @@ class Summary:
                         + [["total", sum(self.compile_times.values())]]))
         if self.notes:
             out.append(("passes", ["pass", "what it did"], [[k, v] for k, v in self.notes.items()]))
+        if self.at_other_sizes:
+            out.append(("at another world size (no process group: built on a stand-in group of "
+                        f"{self.world_size} ranks, as rank 0 of a gloo run on CPU builds it)",
+                        ["figure", "how it changes"],
+                        [[k, v] for k, v in self.at_other_sizes.items()]))
         out.insert(0, ("step", ["graph nodes", "sizes evaluated at", "collectives issued per call"],
                        [[self.num_nodes, hints, self.issued_text()]]))
         return out
@@ -812,11 +890,11 @@ class Summary:
         return f"{self.issued_per_call} = {text}"
 
     def to_text(self) -> str:
-        return "\n\n".join(f"{title}\n{tabulate(rows, headers, tablefmt='simple', floatfmt='.3f')}"
+        return f"{self.header()}\n\n" + "\n\n".join(f"{title}\n{tabulate(rows, headers, tablefmt='simple', floatfmt='.3f')}"
                            for title, headers, rows in self.tables()) + "\n"
 
     def to_markdown(self) -> str:
-        return "\n\n".join(
+        return f"{self.header()}\n\n" + "\n\n".join(
             f"### {title}\n\n{tabulate(rows, headers, tablefmt='github', floatfmt='.3f')}"
             for title, headers, rows in self.tables()) + "\n"
 
@@ -867,10 +945,10 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     one-liners (what bucketing, overlap, ... did). ``lowered``: the graph that actually runs
     (the eager backend's lowering of ``gm``), for the peak estimate.
     """
-    sizer = _Sizer(size_hints)
+    sizer, cache = _Sizer(size_hints), {}
     nodes = list(gm.graph.nodes)
     by_kind: dict[str, CollectiveStat] = {}
-    by_bucket: dict[int, BucketStat] = {}
+    by_bucket: dict[int, BucketStat] = {}  # by number in execution order (bucket_numbers)
     several_dims = len(gm.meta.get(MESH_DIMS) or ()) > 1
     labelled = len(gm.meta.get(MESH_DIMS) or ()) + len(gm.meta.get(PLAN_DIMS) or ()) > 1
     for n in collective_nodes(gm):
@@ -883,7 +961,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         stat.bytes += nbytes
         stat.batch_dependent |= symbolic
         if n.meta.get(BUCKET) is not None:
-            index = int(n.meta[BUCKET])
+            index = bucket_numbers(gm, cache)[int(n.meta[BUCKET])]
             b = by_bucket.setdefault(index, BucketStat(index, "", 0, 0, []))
             b.count += 1
             b.bytes += nbytes
@@ -901,9 +979,9 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         if role == Role.PARAM:
             fqn = n.meta.get(PARAM_FQN, n.name)
             val = n.meta.get("val")
-            placement = placement_str(n.meta.get(PLACEMENT))
+            placement = dtensor_str(n.meta.get(PLACEMENT))
             if several_dims:  # the outer dims of a data-parallel mesh replicate
-                placement = f"({', '.join(['R'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
+                placement = f"({', '.join(['Replicate()'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
             params.append(ParamStat(
                 fqn, placement, tuple(sizer.size(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
@@ -916,8 +994,7 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
     persistent_bytes = {k: persistent[k] for k in ("params", "grads", "buffers", "optimizer state")}
     persistent_bytes["total persistent"] = sum(persistent_bytes.values())
     peak, peak_node = estimate_peak_memory(lowered if lowered is not None else gm, sizer)
-    workspace_bytes = sum(nbytes for _, nbytes in
-                          (lowered.meta.get(WORKSPACES, ()) if lowered is not None else ()))
+    workspaces = lowered.meta.get(WORKSPACES, ()) if lowered is not None else ()
     return Summary(
         num_nodes=len(nodes),
         size_hints=dict(sizer.used),
@@ -927,12 +1004,35 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         persistent_bytes=persistent_bytes,
         peak_bytes=peak,
         peak_node=peak_node,
-        workspace_bytes=workspace_bytes,
+        workspace_bytes=sum(nbytes for _, nbytes in workspaces),
         compile_times=dict(compile_times or {}),
         notes={**gm.meta.get(NOTES, {}), **(notes or {})},
         **_per_call(lowered),
         gathers=parameter_gathers(gm, sizer),
+        mesh_shape=tuple(gm.meta.get(MESH_SIZES) or ()),
     )
+
+
+def world_notes(summary: Summary, style: str) -> dict[str, str]:
+    """Per figure of ``summary`` (a program built without a process group, at its world size
+    N): what a run at another world size changes in it."""
+    sharded = style in ("fully_shard", "hybrid_shard")
+    shard = (f"this rank's shard, ceil(rows / {summary.mesh_shape[-1]}) rows of each parameter: "
+             f"smaller on more ranks" if sharded else "the whole tensor at any world size")
+    notes = {"parameters (local shape, size)": shard,
+             "params, optimizer state, total persistent": shard,
+             "collectives per step": (
+                 "the same collectives; an all_gather's output and a reduce_scatter's input are "
+                 f"the whole bucket padded to a multiple of {summary.mesh_shape[-1]} rows"
+                 if sharded else "the same all_reduces of the whole gradients at any world size"),
+             "collectives issued per call": (
+                 f"gloo on CPU issues each all_gather as one broadcast per rank of its group "
+                 f"({summary.mesh_shape[-1]} here); a "
+                 "backend with its own all_gather (NCCL) issues one" if summary.gathers else
+                 "the same at any world size"),
+             "peak": ("the parameters gathered whole in the step do not change; the shards do"
+                      if sharded else "the same at any world size (local batch fixed)")}
+    return notes
 
 
 def parameter_gathers(gm: fx.GraphModule, sizer: _Sizer) -> list[GatherStat]:
