@@ -330,7 +330,11 @@ def _rank(rank, world, port):
     torch.set_num_threads(1)
     try:
         for style in ("replicate", "fully_shard"):
-            print(rank, style, "compiles", run(style), flush=True)
+            counts = [None] * world
+            dist.all_gather_object(counts, run(style))
+            if rank == 0:  # one writer: the ranks' lines do not interleave
+                for r, n in enumerate(counts):
+                    print(r, style, "compiles", n, flush=True)
     finally:
         dist.destroy_process_group()
 
