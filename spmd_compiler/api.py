@@ -49,7 +49,6 @@ from .state.eager import attach as attach_eager_use, refuse_bound
 from .state.placement import communication_failures, place_state
 from .trace import guards
 from .trace.dynamic_dims import InputShapeHistory
-from .torch_internals import hold_groups_weakly
 from .verify import Variants, checked_call, verification as checks_asked
 
 log = logging.getLogger("spmd_compiler")
@@ -82,8 +81,6 @@ class CompiledStep:
         self.check_ranks, self.retain_host_memory = check_ranks, retain_host_memory
         self.cache_dir = cache_dir
         self.mesh = mesh  # None: the 1-D mesh over the default process group
-        if mesh is not None:  # destroy_process_group frees its groups (torch_internals)
-            hold_groups_weakly(mesh)
         # Every program so far, in compile order: program k exists and communicates alike on
         # every rank (compiled together, or shared: shared_compile.py; the agreement relies on it)
         self._programs: list[CompiledGraph] = []

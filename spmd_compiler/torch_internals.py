@@ -41,7 +41,6 @@ import logging
 import os
 import sys
 import types
-import weakref
 from typing import Callable
 
 import torch
@@ -91,7 +90,7 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     "_get_fused_kernels_supported_devices", "_make_graph_module", "_register_stack_trace_anchor",
     "_reparametrize_module", "_use_lazy_graph_module", "get_proxy_mode", "pytree",
     "unset_fake_temporarily", "backed_size_oblivious", "dtensor_spec", "has_kernel",
-    "local_tensor", "marked_dynamic_dims", "register_group_alias", "hold_groups_weakly",
+    "local_tensor", "marked_dynamic_dims", "register_group_alias",
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
     "refuse_reentrant_checkpoint", "size_oblivious_reshape", "symbolic_floats_unhashable",
@@ -568,23 +567,6 @@ def register_group_alias(name: str, group) -> bool:
     except RuntimeError:
         return False
     return _resolve_process_group(name) is group
-
-
-def hold_groups_weakly(mesh) -> None:
-    """Make ``mesh`` and its root mesh hold their process groups weakly (DeviceMesh's
-    ``_pg_registry``: name -> group, read only while torch.compile traces; lookups otherwise go
-    through c10d's registry by name). Writes the registries in place; idempotent.
-
-    torch's sharding-propagation caches (Python and C++) keep every mesh a DTensor op ran on
-    alive to the end of the process, and through its registry the mesh kept its groups:
-    ``destroy_process_group`` then freed no gloo group, their worker threads lived into
-    interpreter finalization and one of them, dropping a finished collective's tensor, needed
-    the GIL there and aborted the process (``terminate called without an active exception``).
-    Held weakly, the groups die when c10d lets go of them and their threads are joined then."""
-    for m in {id(mesh): mesh, id(mesh._get_root_mesh()): mesh._get_root_mesh()}.values():
-        registry = getattr(m, "_pg_registry", None)
-        if registry is not None and not isinstance(registry, weakref.WeakValueDictionary):
-            m._pg_registry = weakref.WeakValueDictionary(registry)
 
 
 def init_adam_state(opt: torch.optim.Optimizer, group: dict) -> None:

@@ -79,8 +79,6 @@ SHELL_NOT_RUN = {
     ("docs/observability.md", "python docs/figures.py"):
         "rewrites docs/img/ in the checkout; test_figures_show_the_current_program checks that "
         "what it wrote is what it would write now",
-    ("docs/troubleshooting.md", "python -m benchmarks.exit_stress --runs 25"):
-        "100 torchrun jobs each (15 to 30 minutes); tests/test_exit.py runs one of its jobs",
 }
 
 # (page, first line): why the snippet is not run here

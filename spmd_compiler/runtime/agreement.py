@@ -327,24 +327,21 @@ def exchange_objects(obj: Any, group) -> list[Any]:
     return [pickle.loads(bytes(table[r, : int(n)].tolist())) for r, n in enumerate(lengths)]
 
 
-_FLAT_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, weakref.ref]" = weakref.WeakKeyDictionary()
+_FLAT_GROUPS: "weakref.WeakKeyDictionary[DeviceMesh, Any]" = weakref.WeakKeyDictionary()
 _DIM_NAMES: "weakref.WeakKeyDictionary[DeviceMesh, list[str]]" = weakref.WeakKeyDictionary()
 
 
 def mesh_group(mesh: DeviceMesh):
     """One process group over every rank of ``mesh`` (the cross-rank agreement's): the mesh's
     own for a 1-D mesh, its flattened dim for a larger one (made once per mesh, with the names
-    of its dims' groups alike on every rank: ``dim_group_names``). The group is held weakly,
-    as the mesh holds its own (``hold_groups_weakly``): ``destroy_process_group`` frees it."""
+    of its dims' groups alike on every rank: ``dim_group_names``)."""
     if mesh.ndim == 1:
         return mesh.get_group()
-    held = _FLAT_GROUPS.get(mesh)
-    flat = held() if held is not None else None
-    if flat is None:
+    if mesh not in _FLAT_GROUPS:
         flat = mesh._flatten().get_group()
         _DIM_NAMES[mesh] = _names_alike(mesh, flat)
-        _FLAT_GROUPS[mesh] = weakref.ref(flat)
-    return flat
+        _FLAT_GROUPS[mesh] = flat
+    return _FLAT_GROUPS[mesh]
 
 
 def dim_group_names(mesh: DeviceMesh) -> list[str]:

@@ -18,7 +18,7 @@ from ..features.subclass_params import extension_key
 from ..features.tensor_parallel import graph_inputs
 from ..state.module_walk import tensors, walk
 from ..state.placement import communication_failures
-from ..torch_internals import hold_groups_weakly, pytree
+from ..torch_internals import pytree
 from .agreement import (
     CACHED,
     COMPILE,
@@ -195,12 +195,10 @@ _MESHES: dict[str, DeviceMesh] = {}
 
 
 def default_mesh(device: torch.device) -> DeviceMesh:
-    """The 1-D mesh over the default process group for ``device``'s type (one per type), holding
-    its group weakly (``hold_groups_weakly``: ``destroy_process_group`` frees the group)."""
+    """The 1-D mesh over the default process group for ``device``'s type (one per type)."""
     kind = device.type
     if kind not in _MESHES:
         _MESHES[kind] = init_device_mesh(kind, (dist.get_world_size(),))
-        hold_groups_weakly(_MESHES[kind])
     return _MESHES[kind]
 
 
