@@ -119,10 +119,16 @@ def test_fully_shard_completes_gradient_norm_over_shards():
     tr = _traced(clip=True)
     gm = expand_fully_shard(tr.gm, group_name="g", world_size=WORLD)
     reduces = _calls(gm, c10d.all_reduce.default)
-    assert reduces, "clip_grad_norm_ over shards needs all_reduces"
-    for r in reduces:  # scalars only: sums of squared per-shard norms, never full gradients
-        assert r.args[0].meta["val"].numel() == 1 and r.args[1] == "sum"
-        assert r.args[0].target is torch.ops.aten.pow.Tensor_Scalar and r.args[0].args[1] == 2.0
+    params = len(list(tr.gm.graph.find_nodes(op="placeholder")))
+    # one all_reduce: the squared per-shard norms of every gradient stacked (one number per
+    # parameter), never a full gradient
+    assert len(reduces) == 1, reduces
+    (r,) = reduces
+    assert r.args[1] == "sum"
+    assert r.args[0].target is torch.ops.aten.stack.default, r.args[0].target
+    parts = r.args[0].args[0]
+    assert 1 < len(parts) < params and r.args[0].meta["val"].numel() == len(parts)
+    assert all(p.target is torch.ops.aten.pow.Tensor_Scalar and p.args[1] == 2.0 for p in parts)
 
 def test_bucketing_merges_gradients_in_production_order_with_a_small_first_bucket():
     tr = _traced(opt_cls=torch.optim.Adam)
