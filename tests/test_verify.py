@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.multirank import rank_data
+from tests.test_several_modules import gan_step
 
 STEPS = 4
 
@@ -45,20 +46,6 @@ def penalty_step(model, opt, batch):
     loss.backward()
     opt.step()
     return loss.detach()
-
-
-def gan_step(G, D, opt_g, opt_d, batch):
-    real, z = batch
-    fake = G(z)
-    opt_d.zero_grad()
-    d_loss = (F.softplus(-D(real)) + F.softplus(D(fake.detach()))).mean()
-    d_loss.backward()
-    opt_d.step()
-    opt_g.zero_grad()
-    g_loss = F.softplus(-D(fake)).mean()
-    g_loss.backward()
-    opt_g.step()
-    return d_loss.detach(), g_loss.detach()
 
 
 @dataclasses.dataclass
