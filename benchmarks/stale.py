@@ -4,7 +4,7 @@
 
 Each generated page (``PAGES``) names the commit it was measured at (``commit <hash>``, written
 by its generator next to the machine's load). A page is stale when a commit after that one
-changed the measured code (``MEASURED``: benchmarks/, passes/, spmd_compiler/), when it was
+changed the measured code (``MEASURED``: benchmarks/ but its results, passes/, spmd_compiler/), when it was
 measured with uncommitted changes to that code, or when its commit cannot be read. Regenerate
 stale pages on a quiet machine (each page's first lines name its command).
 """
@@ -21,6 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("docs/benchmarks.md", "docs/memory.md", "docs/batch_sweep.md", "docs/compile_time.md")
 MEASURED = ("benchmarks", "passes", "spmd_compiler")
+# the pathspecs of the measured code: the generators' results (benchmarks/*.json) and this
+# listing are not what the pages measure
+_CODE = (*MEASURED, ":(exclude)benchmarks/*.json", ":(exclude)benchmarks/stale.py")
 _COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b( with uncommitted changes)?")
 
 
@@ -47,7 +50,7 @@ class PageAge:
 
 def source_revision(root: Path = ROOT) -> dict:
     """The commit a generator measures, and whether the measured code differed from it."""
-    dirty = _git(root, "status", "--porcelain", "--", *MEASURED)
+    dirty = _git(root, "status", "--porcelain", "--", *_CODE)
     return {"commit": _git(root, "rev-parse", "--short", "HEAD") or "unknown",
             "compiler_sources_modified": bool(dirty)}
 
@@ -71,7 +74,7 @@ def page_age(root: Path, page: str) -> PageAge:
     commit = found.group(1) if found else None
     if commit is None or _git(root, "cat-file", "-e", f"{commit}^{{commit}}") is None:
         return PageAge(page, None, 0, 0, False)
-    since = int(_git(root, "rev-list", "--count", f"{commit}..HEAD", "--", *MEASURED) or 0)
+    since = int(_git(root, "rev-list", "--count", f"{commit}..HEAD", "--", *_CODE) or 0)
     behind = int(_git(root, "rev-list", "--count", f"{commit}..HEAD") or 0)
     return PageAge(page, commit, since, behind, bool(found.group(2)))
 
