@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.test_python_reads import _weighted_step
 from tests.test_robustness import Report, _sgd, parity_run, xy
 
 
@@ -48,15 +49,7 @@ def _run(rep, step, change=None, at=2, steps=4, model_fn=Lin, undo=None, mode="r
             undo()
 
 
-def _loss_step(weight):
-    def step(model, optim, batch):
-        optim.zero_grad()
-        x, y = batch
-        loss = F.mse_loss(model(x), y) * weight()
-        loss.backward()
-        optim.step()
-        return loss
-    return step
+_loss_step = _weighted_step  # the step weighted by weight(), as the value-guard tests write it
 
 
 # ---------------------------------------------------------------------------------------------
