@@ -312,7 +312,8 @@ def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -
     for node in list(graph.nodes):
         if node.meta.get(meta.REGION) != meta.Region.OPTIMIZER or node in sharded:
             continue
-        if node.op != "call_function" or node.meta.get(meta.ROLE) == meta.Role.COLLECTIVE:
+        if node.op != "call_function" or (node.meta.get(meta.ROLE) == meta.Role.COLLECTIVE
+                                          and node.target not in _ELEMENTWISE_COLLECTIVES):
             continue
         shard_inputs = [a for a in _flat_inputs(node) if a in sharded]
         if not shard_inputs:
@@ -344,6 +345,12 @@ def reduce_optimizer_partials(gm: fx.GraphModule, group_name: str, world: int) -
     if pending:
         _complete_reductions(graph, pending, group_name)
     gm.recompile()
+
+
+# a plan's all_reduce of a gradient the optimizer reads (DTensor's, over a tensor- or
+# context-parallel dim) keeps the shape of what it reduces: on a shard, a shard
+_ELEMENTWISE_COLLECTIVES = (torch.ops._c10d_functional.all_reduce.default,
+                            torch.ops._c10d_functional.wait_tensor.default)
 
 
 def _to_shard_vals(node: fx.Node, logical: set[tuple], world: int) -> None:

@@ -26,6 +26,7 @@ from .build.program_check import agree_on_program, describe_graph, describe_prog
 from .errors import NoProcessGroupError, SPMDError
 from .features.accumulation import KeptGradients
 from .features.subclass_params import shard_context
+from .features import context_parallel
 from .features.tensor_parallel import DataParallelDims, graph_inputs, has_plan
 from .observe import compile_log
 from .parallel_mode import SHARDED_STYLES, DataParallel, check_mesh, check_policy
@@ -107,6 +108,8 @@ class CompiledStep:
         sa = self._arguments(args, kwargs)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         mesh = call_mesh(self.mesh, module_device(sa.module, inputs))
+        if sa.seq_dims:
+            sa = _sequence_sharded(sa, mesh)
         if self.verification is not None and self.verification.due():
             return _checked(self, sa, mesh)
         return self._run(sa, mesh)
@@ -127,7 +130,8 @@ class CompiledStep:
         """The call's arguments split; a rejection is told to the other ranks, then raised."""
         mode = self.parallel_mode
         try:
-            return split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, self.fn)
+            return split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, self.fn,
+                                   mode.input_seq_dim)
         except SPMDError as e:
             if self.check_ranks:  # the other ranks must not wait for this one in a collective
                 refuse_call(self._carrier, self.mesh, args, kwargs, len(self._programs), e)
@@ -228,8 +232,18 @@ def _variants(step: CompiledStep) -> Variants:
                     tuple(s.name for s in STAGES if s.optional and s.applies(applies)))
 
 
+def _sequence_sharded(sa: StepArgs, mesh) -> StepArgs:
+    """The call under context parallelism: the parameters replicated over the cp dim (once),
+    the inputs cut to this rank's piece of the sequence (features/context_parallel.py)."""
+    context_parallel.place_parameters(sa.module, sa.optimizers, mesh)
+    return dataclasses.replace(sa, leaves=context_parallel.shard_inputs(
+        sa.leaves, sa.input_indices, sa.seq_dims, mesh))
+
+
 def _unverifiable(step: CompiledStep, sa: StepArgs) -> str | None:
     """Why this call cannot be checked against the eager reference (None: it can)."""
+    if sa.seq_dims:
+        return "the step shards the sequence (context parallelism)"
     if has_plan(sa.module):
         return "the step has a tensor-parallel plan"
     if step.parallel_mode.mp_policy is not None:
@@ -334,6 +348,7 @@ def _check_options(parallel_mode, backend: str, mesh) -> None:
         raise SPMDError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if mesh is not None:
         check_mesh(parallel_mode, mesh)
+    context_parallel.check(parallel_mode, mesh)
 
 
 def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> None:
@@ -436,7 +451,8 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
 
 def _explained_args(step: CompiledStep, args: tuple, kwargs: dict) -> StepArgs:
     mode = step.parallel_mode
-    return split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, step.fn)
+    return split_step_args(args, kwargs, mode.input_batch_dim, mode.dynamic_dims, step.fn,
+                           mode.input_seq_dim)
 
 
 def _explain(step: CompiledStep, sa: StepArgs, mesh, stand_in: bool):

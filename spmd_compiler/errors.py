@@ -50,6 +50,11 @@ class TensorParallelError(SPMDError):
     calls."""
 
 
+class ContextParallelError(SPMDError):
+    """Context parallelism (a ``cp`` mesh dim, ``input_seq_dim``) asked for in a way it cannot
+    run: no ``cp`` dim, a sequence the cp ranks cannot split evenly, attention dropout."""
+
+
 class RankMismatchError(SPMDError):
     """Ranks disagree about the program they run (or one of them failed to compile it)."""
 

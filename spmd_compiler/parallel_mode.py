@@ -108,6 +108,11 @@ class DataParallel:
         gradient_divide_factor: what each gradient's sum over the ranks is divided by, instead
             of the number of ranks (FSDP2's ``set_gradient_divide_factor``): e.g. the number of
             tokens or samples across ranks when the loss is a per-rank sum. ``None``: average.
+        input_seq_dim: context parallelism: the sequence dim of every input (an int, or a
+            pytree shaped like the batch of ints and ``None`` for inputs without one), sharded
+            over the step mesh's dim named ``"cp"`` (``mesh_dim_names=("dp", "cp")``). Every rank
+            of a cp group passes the same full-length rows; the result is one device's on them.
+            See docs/context_parallel.md.
     """
 
     parallel_style: str = "replicate"
@@ -130,6 +135,7 @@ class DataParallel:
     mp_policy: Any = None
     divide_gradients: str = "before"
     gradient_divide_factor: float | None = None
+    input_seq_dim: Any = None
 
     def __post_init__(self):
         _check_types(self)
@@ -178,7 +184,7 @@ def _check_types(mode: DataParallel) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise SPMDError(f"DataParallel: {name} must be a number of MiB >= 0"
                             f"{'' if name == 'first_bucket_cap_mb' else ' (or None)'}, got {v!r}")
-    for name in ("input_batch_dim", "dynamic_dims"):
+    for name in ("input_batch_dim", "dynamic_dims", "input_seq_dim"):
         v = getattr(mode, name)
         leaves = pytree.tree_leaves(v)
         bad = [x for x in leaves if x is not None and (isinstance(x, bool) or not isinstance(x, int))]

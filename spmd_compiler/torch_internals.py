@@ -873,6 +873,45 @@ def dtensor_from_spec(local: torch.Tensor, spec, requires_grad: bool = False) ->
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
+def implicit_replication():
+    """DTensor's ``implicit_replication``: a plain tensor meeting a DTensor counts as
+    ``Replicate()`` (a position table the step makes, beside a sequence-sharded activation)."""
+    from torch.distributed.tensor.experimental import implicit_replication as replicated
+
+    return replicated()
+
+
+@contextlib.contextmanager
+def guarded_split_factors():
+    """DTensor's view rule refuses a ``_StridedShard`` whose split factor is a backed size symbol
+    (flattening ``(b, t)`` with ``t`` sharded: the factor is the batch ``b``). Inside the block it
+    takes the symbol's value and adds the guard ``Eq(b, value)`` to the ShapeEnv, without
+    replacing the symbol (the batch stays a symbol for the placement analysis; another batch size
+    recompiles)."""
+    import torch.distributed.tensor._ops._view_ops as view_ops
+    import sympy
+    from torch._guards import ShapeGuard
+
+    own = view_ops._explicit_unbacked_hint
+
+    def hint(value):
+        found = own(value)
+        if found is not None or not isinstance(value, torch.SymInt):
+            return found
+        node = value.node
+        env = getattr(node, "shape_env", None)
+        if env is None or node.hint is None:
+            return None
+        env.guards.append(ShapeGuard(sympy.Eq(node.expr, int(node.hint)), env._get_sloc(), False))
+        return int(node.hint)
+
+    view_ops._explicit_unbacked_hint = hint
+    try:
+        yield
+    finally:
+        view_ops._explicit_unbacked_hint = own
+
+
 def strided_shard(dim: int, split_factor: int):
     """DTensor's ``_StridedShard``: a shard of a dim another mesh dim already split."""
     return _StridedShard(dim, split_factor=split_factor)

@@ -50,6 +50,9 @@ class Plan:
 
     spec: Any  # DTensorSpec
     local_shape: tuple[int, ...]
+    # made by context parallelism (replicated over the cp dim), not by the user: the model
+    # used outside the step sees plain tensors (features/context_parallel.py)
+    context: bool = False
 
 
 def plan_of(t: Any, owner: Any = None) -> Plan | None:
@@ -65,7 +68,7 @@ def plan_of(t: Any, owner: Any = None) -> Plan | None:
         # placed by data parallelism alone (runtime.place_state marks each such DTensor; its
         # mesh is no sign: DTensor's propagation cache hands out equal meshes across steps)
         return None
-    return Plan(dtensor_spec(t), tuple(local_tensor(t).shape))
+    return Plan(dtensor_spec(t), tuple(local_tensor(t).shape), getattr(t, "_spmd_context", False))
 
 
 def has_plan(module: torch.nn.Module) -> bool:

@@ -92,6 +92,7 @@ class StepArgs:
     batch_dims: list[int | None]  # one per input
     # input leaf -> dims declared dynamic (DataParallel(dynamic_dims=...), mark_dynamic)
     dynamic_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    seq_dims: list[int | None] = field(default_factory=list)  # one per input (context parallel)
 
     def leaf_name(self, i: int) -> str:
         """How the user would name argument leaf ``i`` (``argument 2[0]``, ``keyword argument 'x'``)."""
@@ -103,7 +104,8 @@ class StepArgs:
 
 
 def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
-                    dynamic_dims: Any = None, fn: Callable | None = None) -> StepArgs:
+                    dynamic_dims: Any = None, fn: Callable | None = None,
+                    input_seq_dim: Any = None) -> StepArgs:
     """Find the module(s), the optimizer(s) and the batch leaves among the step's arguments.
     Several modules (also inside tuples, lists and dicts) are held by one root, each named by
     its argument in ``fn``'s signature (runtime/step_modules.py).
@@ -145,6 +147,7 @@ def split_step_args(args: tuple, kwargs: dict, input_batch_dim: Any,
         input_indices=inputs,
         batch_dims=batch_dims,
         dynamic_dims=_declared_dynamic_dims(args, kwargs, leaves, inputs, dynamic_dims),
+        seq_dims=_seq_dims(args, kwargs, leaves, inputs, input_seq_dim),
     )
 
 
@@ -190,6 +193,22 @@ def _declared_dynamic_dims(args, kwargs, leaves, inputs, dynamic_dims) -> dict[i
             dims.add(d % t.dim())
         if dims:
             out[i] = tuple(sorted(dims))
+    return out
+
+
+def _seq_dims(args, kwargs, leaves, inputs, input_seq_dim) -> list[int | None]:
+    """Per input, its sequence dim (``input_seq_dim`` broadcast; None: none, or not asked)."""
+    if input_seq_dim is None:
+        return []
+    given = _per_input(args, kwargs, leaves, inputs, input_seq_dim, "input_seq_dim")
+    out = []
+    for i in inputs:
+        d, t = given[i], leaves[i]
+        if d is not None and not -t.dim() <= d < t.dim():
+            raise BatchDimError(
+                f"input_seq_dim={d} is out of range for an input of shape {tuple(t.shape)} "
+                f"(argument leaf {i}); give a pytree with None for inputs without a sequence dim.")
+        out.append(None if d is None else d % t.dim())
     return out
 
 

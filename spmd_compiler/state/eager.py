@@ -193,7 +193,7 @@ def _as_planned(t: torch.Tensor, p: DTensor) -> torch.Tensor:
     around it (differentiable when ``t`` requires grad: the gradient comes back as the
     plan's local shard)."""
     plan = getattr(p, "_spmd_plan", None)
-    if plan is None:
+    if plan is None or plan.context:
         return t
     if not t.requires_grad:
         return dtensor_from_spec(t, plan.spec)

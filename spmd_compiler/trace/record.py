@@ -74,6 +74,7 @@ from ..features import subclass_params as subclasses
 from ..features.accumulation import ACCUMULATE, accumulating
 from .carried_grads import GradientResets
 from ..runtime.signature import StepSignature, TracedStep, split_inputs
+from ..features import context_parallel
 from ..features import tensor_parallel as tp
 from ..features.halo_conv import halo_convolution
 from ..runtime.call_args import (LIFTED_HPARAMS, StepArgs, group_input_values, group_inputs,
@@ -487,7 +488,7 @@ class _StatelessStep:
                     {st.fqn_of[id(p)]: fp for p, fp in zip(st.params, params)},
                     self.subclasses.shard, self.mp_policy, self.grad_nodes,
                     self.subclasses.described)):
-            with gradient_resets(resets.reset):
+            with gradient_resets(resets.reset), context_parallel.recording(inputs):
                 out = self.fn(*call_args, **call_kwargs)
             if not self.accumulation:
                 resets.check([(fqn_of_fake[id(fp)], fp) for fp in trainable], sa.optimizers,
@@ -499,7 +500,8 @@ class _StatelessStep:
             j: v for j, v in enumerate(out_leaves)
             if not isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
         }
-        traced_out = [tp.local_of(v) for j, v in enumerate(out_leaves) if j not in self.out_constants]
+        traced_out = [tp.local_of(context_parallel.output_value(v))
+                      for j, v in enumerate(out_leaves) if j not in self.out_constants]
         self.num_outputs = len(traced_out)
         return self.subclasses.flatten(traced_out, new_states) + grads_out
 

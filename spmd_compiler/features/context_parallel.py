@@ -1,0 +1,255 @@
+"""Context parallelism: the sequence sharded over a mesh dim named ``cp``, for any attention.
+
+``DataParallel(style, input_seq_dim=1)`` on a mesh with a ``cp`` dim (``("dp", "cp")``): every
+rank of a cp group passes the same full-length rows; each keeps its contiguous piece of the
+sequence (``Shard(seq)`` on ``cp``). The step is recorded through DTensor as a tensor-parallel
+plan is (features/tensor_parallel.py): every parameter is a DTensor ``Replicate()`` on ``cp``
+(the plan this module makes), every input with a sequence dim a DTensor ``Shard(seq)``, and
+DTensor's own sharding rules decide what crosses the pieces. Plain tensors the step makes
+(``arange`` positions, ``tril`` masks, rotary tables) are replicated implicitly and cut to each
+rank's rows where they meet the sharded activations, so positions are global. Reductions over the
+sequence (the loss) are ``Partial`` and reduced; a parameter's gradient is the sum over ``cp``
+(one device's), averaged over ``dp`` as data parallelism's.
+
+DTensor has no rule for CPU's attention kernel (``_scaled_dot_product_flash_attention_for_cpu``);
+this module's handlers take its place while recording: keys and values are all-gathered over
+``cp``, each rank attends with its own queries (a causal mask offset to its rows, over the keys up
+to its last row), and the backward reduce-scatters the keys' and values' gradients back to their
+pieces. Attention written out (``q @ k.transpose``, ``masked_fill``, ``softmax``) goes through
+DTensor's rules for those ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from ..errors import ContextParallelError
+from ..torch_internals import (dtensor_op_handlers, funcol, guarded_split_factors,
+                               implicit_replication, local_tensor)
+
+aten = torch.ops.aten
+
+CP = "cp"  # the mesh dim the sequence is sharded over
+
+
+def cp_mesh(mesh) -> Any:
+    """The ``cp`` dim of ``mesh`` (a 1-D mesh), or None."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh[CP] if CP in names else None
+
+
+def check(mode, mesh) -> None:
+    """Raise a ContextParallelError unless ``input_seq_dim`` and a ``cp`` mesh dim come together."""
+    asked = mode.input_seq_dim is not None
+    has = mesh is not None and cp_mesh(mesh) is not None
+    if asked and not has:
+        raise ContextParallelError(
+            f"DataParallel(input_seq_dim={mode.input_seq_dim!r}) shards the sequence over a mesh "
+            f"dim named 'cp'; give spmd_compile(mesh=init_device_mesh('cpu', (dp, cp), "
+            f"mesh_dim_names=('dp', 'cp'))), got mesh={mesh}")
+    if has and not asked:
+        raise ContextParallelError(
+            f"the step's mesh {mesh} has a dim named 'cp' but DataParallel has no input_seq_dim: "
+            f"say which dim of each input is the sequence, e.g. DataParallel(style, "
+            f"input_seq_dim=1)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The call: parameters replicated over cp once, inputs cut to this rank's rows every call
+
+
+def place_parameters(module: torch.nn.Module, optimizers: list, mesh) -> None:
+    """Make every plain parameter (and its optimizer state) a DTensor ``Replicate()`` on the cp
+    dim of ``mesh``, the values of the cp group's first rank; parameters already placed are left."""
+    cp = cp_mesh(mesh)
+    seen: dict[int, torch.nn.Parameter] = {}
+    for p in module.parameters():
+        if isinstance(p, DTensor) or id(p) in seen:
+            continue
+        dt = distribute_tensor(p.detach(), cp, [Replicate()])
+        new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+        new._spmd_context = True
+        seen[id(p)] = new
+    if not seen:
+        return
+    for _, sub in module.named_modules(remove_duplicate=False):
+        for name, p in list(sub._parameters.items()):
+            if p is not None and id(p) in seen:
+                sub._parameters[name] = seen[id(p)]
+    for opt in optimizers:
+        for g in opt.param_groups:
+            g["params"] = [seen.get(id(p), p) for p in g["params"]]
+        state = defaultdict(dict)
+        for p, st in opt.state.items():
+            np_ = seen.get(id(p), p)
+            state[np_] = {k: (distribute_tensor(v, cp, [Replicate()])
+                              if isinstance(v, torch.Tensor) and v.dim() > 0 and np_ is not p else v)
+                          for k, v in st.items()}
+        opt.state = state
+
+
+def shard_inputs(leaves: list, input_indices: list[int], seq_dims: list, mesh) -> list:
+    """``leaves`` with every input that has a sequence dim replaced by a DTensor ``Shard(seq)``
+    on the cp dim around this rank's contiguous piece of it."""
+    cp = cp_mesh(mesh)
+    rank, size = cp.get_local_rank(), cp.size()
+    out = list(leaves)
+    for i, d in zip(input_indices, seq_dims):
+        t = leaves[i]
+        if d is None or isinstance(t, DTensor):
+            continue
+        n = t.shape[d]
+        if n % size:
+            raise ContextParallelError(
+                f"an input of shape {tuple(t.shape)} has sequence dim {d} of length {n}, which "
+                f"the {size} ranks of the cp dim cannot split evenly; pad the sequence to a "
+                f"multiple of {size}")
+        piece = n // size
+        out[i] = DTensor.from_local(t.narrow(d, rank * piece, piece).contiguous(), cp, [Shard(d)],
+                                    run_check=False, shape=t.shape, stride=t.stride())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording
+
+
+@contextlib.contextmanager
+def recording(inputs: list):
+    """While the step is recorded with cp-sharded ``inputs``: plain tensors the step makes are
+    replicated implicitly, and CPU attention goes through this module's handlers."""
+    if not any(isinstance(t, DTensor) and _cp_dim(t) is not None for t in inputs):
+        yield
+        return
+    with implicit_replication(), guarded_split_factors(), dtensor_op_handlers({
+            aten._scaled_dot_product_flash_attention_for_cpu.default: _attention,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_backward}):
+        yield
+
+
+def output_value(v: Any) -> Any:
+    """A step output as the step returns it: a DTensor on a cp mesh whole (a ``Partial`` loss
+    reduced, a sequence-sharded output gathered), anything else as is."""
+    if isinstance(v, DTensor) and _cp_dim(v) is not None:
+        return v.redistribute(v.device_mesh, [Replicate()] * v.device_mesh.ndim)
+    return v
+
+
+def _cp_dim(t: DTensor) -> int | None:
+    names = t.device_mesh.mesh_dim_names or ()
+    return names.index(CP) if CP in names else None
+
+
+def _seq_sharded(t: Any, d: int, seq: int) -> bool:
+    return isinstance(t, DTensor) and t.placements[d] == Shard(seq)
+
+
+def _whole_keys(t: DTensor, d: int, seq: int) -> torch.Tensor:
+    """The keys (or values) of every rank of the cp group, this rank's other dims' pieces."""
+    if t.placements[d] == Shard(seq):
+        return funcol.all_gather_tensor(local_tensor(t).contiguous(), seq, (t.device_mesh, d))
+    if t.placements[d] == Replicate():
+        return local_tensor(t)
+    return local_tensor(t.redistribute(t.device_mesh, _with(t.placements, d, Replicate())))
+
+
+def _with(placements, d: int, p) -> tuple:
+    return tuple(p if i == d else q for i, q in enumerate(placements))
+
+
+def _mask(q: DTensor, keys: int, is_causal: bool, attn_mask, d: int, seq: int):
+    """(number of keys attended, additive mask of this rank's query rows) for a query sharded
+    on ``seq`` over cp dim ``d``: a causal mask offset to the rank's first row, over the keys up
+    to its last row; a mask the user gave, cut to the rank's rows."""
+    rows = local_tensor(q).shape[seq]
+    first = q.device_mesh.get_local_rank(d) * rows
+    if attn_mask is not None:
+        m = attn_mask
+        if isinstance(m, DTensor):
+            m = local_tensor(m.redistribute(m.device_mesh, [Replicate()] * m.device_mesh.ndim))
+        if m.shape[-2] != 1:
+            m = m.narrow(-2, first, rows)
+        return keys, m
+    if not is_causal:
+        return keys, None
+    keys = first + rows
+    allowed = torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(diagonal=first)
+    mask = torch.zeros(rows, keys, dtype=local_tensor(q).dtype, device=q.device)
+    return keys, mask.masked_fill(allowed.logical_not(), float("-inf"))
+
+
+def _attention(op, args, kwargs, own):
+    q, k, v = args[:3]
+    dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+    is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+    attn_mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
+    d, seq = _cp_dim(q), q.dim() - 2
+    if not _seq_sharded(q, d, seq):
+        q = q.redistribute(q.device_mesh, _with(q.placements, d, Shard(seq)))
+    _no_dropout(dropout_p)
+    kk, vv = _whole_keys(k, d, seq), _whole_keys(v, d, seq)
+    n, mask = _mask(q, kk.shape[seq], is_causal, attn_mask, d, seq)
+    out, lse = op(local_tensor(q), kk.narrow(seq, 0, n), vv.narrow(seq, 0, n), 0.0, False,
+                  attn_mask=mask, scale=scale)
+    shape = (*q.shape[:-1], v.shape[-1])
+    return (DTensor.from_local(out, q.device_mesh, q.placements, run_check=False,
+                               shape=torch.Size(shape), stride=_contiguous(shape)),
+            DTensor.from_local(lse, q.device_mesh, q.placements, run_check=False,
+                               shape=q.shape[:-1], stride=_contiguous(q.shape[:-1])))
+
+
+def _attention_backward(op, args, kwargs, own):
+    grad_out, q, k, v, out, lse = args[:6]
+    dropout_p, is_causal = args[6], args[7]
+    attn_mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
+    d, seq = _cp_dim(q), q.dim() - 2
+    _no_dropout(dropout_p)
+    mesh, placements = q.device_mesh, q.placements
+    grad_out = grad_out.redistribute(mesh, placements)
+    kk, vv = _whole_keys(k, d, seq), _whole_keys(v, d, seq)
+    total = kk.shape[seq]
+    n, mask = _mask(q, total, is_causal, attn_mask, d, seq)
+    gq, gk, gv = op(local_tensor(grad_out), local_tensor(q), kk.narrow(seq, 0, n),
+                    vv.narrow(seq, 0, n), local_tensor(out), local_tensor(lse), 0.0, False,
+                    attn_mask=mask, scale=scale)
+    return (DTensor.from_local(gq, mesh, placements, run_check=False, shape=q.shape,
+                               stride=_contiguous(q.shape)),
+            _key_grad(gk, k, total, d, seq), _key_grad(gv, v, total, d, seq))
+
+
+def _key_grad(g: torch.Tensor, like: DTensor, total: int, d: int, seq: int) -> DTensor:
+    """This rank's part of the gradient of every key (zeros past the keys it attended), summed
+    over the cp group into each rank's piece (a reduce-scatter), or left ``Partial`` for keys
+    replicated over cp."""
+    if g.shape[seq] < total:
+        pad = [0, 0] * (g.dim() - 1 - seq) + [0, total - g.shape[seq]]
+        g = torch.nn.functional.pad(g, pad)
+    mesh = like.device_mesh
+    if like.placements[d] == Shard(seq):
+        g = funcol.reduce_scatter_tensor(g.contiguous(), "sum", seq, (mesh, d))
+        placements = like.placements
+    else:
+        placements = _with(like.placements, d, Partial())
+    return DTensor.from_local(g, mesh, placements, run_check=False, shape=like.shape,
+                              stride=_contiguous(like.shape))
+
+
+def _no_dropout(p: float) -> None:
+    if p:
+        raise ContextParallelError(
+            f"scaled_dot_product_attention with dropout_p={p} under context parallelism: the "
+            f"dropout of keys gathered from other ranks would not be one device's; use "
+            f"dropout_p=0 in the attention (dropout elsewhere in the model is fine)")
+
+
+def _contiguous(shape) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc = acc * s
+    return tuple(reversed(stride))

@@ -1,0 +1,195 @@
+"""Context parallelism: the sequence sharded over a ``cp`` mesh dim by the compiler, against one
+device training each dp group's rows (the rows of every dp group together, every rank), over
+several AdamW steps; every parameter, every optimizer state and the returned loss compared."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.multirank import ParityChecker, run_without_problems
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 3
+VOCAB, WIDTH, HEADS, LAYERS = 32, 16, 4, 2
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block; attention by SDPA (``attention="sdpa"``), written out with
+    a ``tril`` mask buffer (``"written"``), or SDPA with grouped keys and rotary positions
+    (``"gqa_rotary"``)."""
+
+    def __init__(self, attention: str, seq: int):
+        super().__init__()
+        self.attention = attention
+        self.kv_heads = HEADS // 2 if attention == "gqa_rotary" else HEADS
+        head = WIDTH // HEADS
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.q = nn.Linear(WIDTH, WIDTH)
+        # no bias: a key bias has a zero gradient (softmax ignores it), which Adam turns into
+        # updates of its round-off
+        self.kv = nn.Linear(WIDTH, 2 * self.kv_heads * head, bias=False)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, x, rotary=None):
+        B, T, C = x.shape
+        head = C // HEADS
+        h = self.ln1(x)
+        q = self.q(h).view(B, T, HEADS, head).transpose(1, 2)
+        k, v = self.kv(h).view(B, T, 2 * self.kv_heads, head).transpose(1, 2).chunk(2, dim=1)
+        if rotary is not None:
+            q, k = _rotate(q, *rotary), _rotate(k, *rotary)
+        if self.attention == "written":
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head))
+            att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               enable_gqa=self.kv_heads != HEADS)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+def _rotate(x, cos, sin):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's shape: token and learned position embeddings (positions from ``arange``), or
+    rotary positions from ``arange`` (``gqa_rotary``)."""
+
+    def __init__(self, attention: str = "sdpa", seq: int = 16):
+        super().__init__()
+        self.attention = attention
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(seq, WIDTH)
+        self.blocks = nn.ModuleList(Block(attention, seq) for _ in range(LAYERS))
+        self.ln = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        half = WIDTH // HEADS // 2
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(half) / half)))
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        positions = torch.arange(T, device=ids.device)
+        x = self.tok(ids)
+        rotary = None
+        if self.attention == "gqa_rotary":
+            angles = positions[:, None].float() * self.inv_freq[None, :]
+            rotary = (angles.cos(), angles.sin())
+        else:
+            x = x + self.pos(positions)
+        for block in self.blocks:
+            x = block(x, rotary)
+        return self.head(self.ln(x))
+
+
+def targets_loss(logits, targets):
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def shifted_loss(logits, ids):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def targets_step(model, optim, ids, targets):
+    """nanoGPT's loss: the targets given, flattened logits."""
+    optim.zero_grad()
+    loss = targets_loss(model(ids), targets)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def shifted_step(model, optim, ids):
+    """The shift inside the loss: position i predicts token i + 1."""
+    optim.zero_grad()
+    loss = shifted_loss(model(ids), ids)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def _rows(step: int, dp_rank: int, batch: int, seq: int):
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return (torch.randint(0, VOCAB, (batch, seq), generator=g),
+            torch.randint(0, VOCAB, (batch, seq), generator=g))
+
+
+def _parity(attention: str, style: str, mesh_shape: tuple, shifted: bool, seq: int = 16,
+            batch: int = 2):
+    """Compiled with the sequence sharded over cp against one device on every dp group's rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    torch.manual_seed(0)
+    model = TinyGPT(attention, seq)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "cp"))
+    dp = mesh["dp"]
+    fn = shifted_step if shifted else targets_step
+    seq_dims = 1 if shifted else (1, 1)
+    step = spmd_compile(DataParallel(style, input_seq_dim=seq_dims), mesh=mesh)(fn)
+    chk = ParityChecker(rtol=1e-4, atol=1e-5)
+    for i in range(STEPS):
+        rows = [_rows(i, r, batch, seq) for r in range(dp.size())]
+        ids, targets = rows[dp.get_local_rank()]
+        loss = step(model, opt, ids) if shifted else step(model, opt, ids, targets)
+        all_ids = torch.cat([r[0] for r in rows])
+        all_targets = torch.cat([r[1] for r in rows])
+        with torch.no_grad():  # the returned loss is the dp group's own, as DDP's local loss
+            own = shifted_loss(ref(ids), ids) if shifted else targets_loss(ref(ids), targets)
+        fn(ref, ref_opt, all_ids) if shifted else fn(ref, ref_opt, all_ids, all_targets)
+        chk.close("loss", f"step {i} loss", loss.detach(), own)
+    _compare(chk, model, opt, ref, ref_opt)
+    return {"problems": chk.problems, "max_err": chk.max_err, "compiles": step.compile_count,
+            "collectives": _collectives(step)}
+
+
+def _compare(chk, model, opt, ref, ref_opt):
+    from torch.distributed.tensor import DTensor
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        chk.close("param", name, whole(p.detach()), ref_params[name].detach())
+        st, ref_st = opt.state[p], ref_opt.state[ref_params[name]]
+        for k in ref_st:
+            chk.close("state", f"{name} {k}", whole(st[k]), ref_st[k])
+
+
+@pytest.mark.parametrize("attention,shifted", [("sdpa", False), ("written", False),
+                                               ("gqa_rotary", True)])
+def test_sequence_sharded_over_two_ranks_trains_as_one_device(pool2, attention, shifted):
+    reps = run_without_problems(pool2, _parity, attention, "replicate", (1, 2), shifted)
+    assert [r["compiles"] for r in reps] == [1, 1], reps
+
+
+def _collectives(step) -> dict:
+    counts: dict[str, int] = {}
+    for n in step.last_compiled.traced.gm.graph.nodes:
+        if n.op == "call_function" and "c10d" in str(n.target) and "wait" not in str(n.target):
+            name = str(n.target).split(".")[-2]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_dp_by_cp_two_by_two_trains_as_one_device_on_every_dp_groups_rows(pool4, style):
+    reps = run_without_problems(pool4, _parity, "sdpa", style, (2, 2), True)
+    assert [r["compiles"] for r in reps] == [1] * 4, reps
