@@ -953,7 +953,8 @@ def tensor_hooks(t: torch.Tensor) -> list[Callable]:
 @contextlib.contextmanager
 def dtensor_op_handlers(handlers: dict):
     """DTensor's dispatch of the ops in ``handlers`` (op -> ``fn(op, args, kwargs, torch_own)``)
-    replaced inside the block; ``torch_own`` is DTensor's own handler of the op."""
+    replaced inside the block; ``torch_own`` is DTensor's own handler of the op (its sharding
+    propagation, for an op without a handler of its own)."""
     from torch.distributed.tensor import DTensor
 
     table = DTensor._op_dispatcher._custom_op_handlers
@@ -971,7 +972,20 @@ def dtensor_op_handlers(handlers: dict):
 
 
 def _dispatch_to(fn, own, op, args, kwargs):
-    return fn(op, args, kwargs, own)
+    return fn(op, args, kwargs, own or _propagated)
+
+
+def _propagated(op, args, kwargs):
+    """``op`` dispatched by DTensor's sharding propagation, the handler in its place set aside."""
+    from torch.distributed.tensor import DTensor
+
+    table = DTensor._op_dispatcher._custom_op_handlers
+    handler = table.pop(op, None)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        if handler is not None:
+            table[op] = handler
 
 
 # ---------------------------------------------------------------------------------------------

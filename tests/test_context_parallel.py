@@ -193,3 +193,50 @@ def _collectives(step) -> dict:
 def test_dp_by_cp_two_by_two_trains_as_one_device_on_every_dp_groups_rows(pool4, style):
     reps = run_without_problems(pool4, _parity, "sdpa", style, (2, 2), True)
     assert [r["compiles"] for r in reps] == [1] * 4, reps
+
+
+def llama_step(model, optim, ids):
+    optim.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def _llama_parity(mesh_shape: tuple, style: str = "replicate", seq: int = 16, batch: int = 2):
+    """A Hugging Face Llama (grouped keys, rotary positions, its own shifted loss) with the
+    sequence sharded, against one device on every dp group's rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                         num_key_value_heads=HEADS // 2, max_position_embeddings=4 * seq)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "cp"))
+    dp = mesh["dp"]
+    step = spmd_compile(DataParallel(style, input_seq_dim=1), mesh=mesh)(llama_step)
+    chk = ParityChecker(rtol=1e-4, atol=1e-5)
+    for i in range(STEPS):
+        rows = [_rows(i, r, batch, seq)[0] for r in range(dp.size())]
+        ids = rows[dp.get_local_rank()]
+        loss = step(model, opt, ids)
+        with torch.no_grad():
+            own = ref(ids, labels=ids).loss
+        llama_step(ref, ref_opt, torch.cat(rows))
+        chk.close("loss", f"step {i} loss", loss.detach(), own)
+    _compare(chk, model, opt, ref, ref_opt)
+    return {"problems": chk.problems, "max_err": chk.max_err, "compiles": step.compile_count,
+            "collectives": _collectives(step)}
+
+
+def test_hugging_face_llama_with_labels_trains_as_one_device(pool2):
+    reps = run_without_problems(pool2, _llama_parity, (1, 2))
+    assert [r["compiles"] for r in reps] == [1, 1], reps

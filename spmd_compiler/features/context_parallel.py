@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ..errors import ContextParallelError
 from ..torch_internals import (dtensor_op_handlers, funcol, guarded_split_factors,
-                               implicit_replication, local_tensor)
+                               implicit_replication, is_dim_shard, local_tensor)
 
 aten = torch.ops.aten
 
@@ -128,7 +128,9 @@ def recording(inputs: list):
         return
     with implicit_replication(), guarded_split_factors(), dtensor_op_handlers({
             aten._scaled_dot_product_flash_attention_for_cpu.default: _attention,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_backward}):
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_backward,
+            aten.cat.default: _cat, aten.nll_loss_forward.default: _nll_loss,
+            aten.nll_loss_backward.default: _nll_loss_backward}):
         yield
 
 
@@ -181,6 +183,49 @@ def _mask(q: DTensor, keys: int, is_causal: bool, attn_mask, d: int, seq: int):
     allowed = torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(diagonal=first)
     mask = torch.zeros(rows, keys, dtype=local_tensor(q).dtype, device=q.device)
     return keys, mask.masked_fill(allowed.logical_not(), float("-inf"))
+
+
+def _cat(op, args, kwargs, own):
+    """``torch.cat`` skips 1-D empty tensors among others of more dims (a legacy rule Hugging
+    Face's key-value cache relies on: it starts from ``torch.tensor([])``); DTensor's rule does
+    not."""
+    tensors = args[0]
+    kept = [t for t in tensors if not (t.dim() == 1 and t.shape[0] == 0)]
+    if kept and len(kept) < len(tensors) and any(t.dim() > 1 for t in kept):
+        if len(kept) == 1:
+            return kept[0].clone()
+        args = (kept, *args[1:])
+    return own(op, args, kwargs)
+
+
+_MEAN, _SUM = 1, 2  # torch's reduction enum
+
+
+def _nll_loss(op, args, kwargs, own):
+    """A mean loss over a sharded target is the sum of every piece's losses over the sum of
+    their weights (DTensor's rule averages the pieces' means, wrong where ``ignore_index``
+    leaves the pieces different counts: the shifted labels' last position)."""
+    inp, target, weight, reduction, ignore_index = args
+    if reduction != _MEAN or not (_sharded(inp) or _sharded(target)):
+        return own(op, args, kwargs)
+    total, weights = own(op, (inp, target, weight, _SUM, ignore_index), {})
+    total, weights = _whole(total), _whole(weights)
+    return total / weights, weights
+
+
+def _nll_loss_backward(op, args, kwargs, own):
+    grad, inp, target, weight, reduction, ignore_index, weights = args
+    if reduction != _MEAN or not (_sharded(inp) or _sharded(target)):
+        return own(op, args, kwargs)
+    return own(op, (grad / weights, inp, target, weight, _SUM, ignore_index, weights), {})
+
+
+def _sharded(t) -> bool:
+    return isinstance(t, DTensor) and any(is_dim_shard(p) for p in t.placements)
+
+
+def _whole(t: DTensor) -> DTensor:
+    return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
 
 
 def _attention(op, args, kwargs, own):
