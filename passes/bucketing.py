@@ -418,6 +418,11 @@ def _merge_chained_all_reduces(graph: fx.Graph, flat: fx.Node, pieces: list[fx.N
         (flat, *chained[0][0].args[1:]), before=flat.next, region=flat.meta.get(meta.REGION),
         collective=dict(kind="all_reduce", params=[p for issue, _ in chained for p in node_params(issue)]),
         **{meta.BUCKET: index})
+    first = chained[0][0]  # a plan's all_reduce (context parallelism's) stays the plan's
+    if meta.MODEL_PARALLEL in first.meta:
+        done.meta[meta.MODEL_PARALLEL] = first.meta[meta.MODEL_PARALLEL]
+        done.args[0].meta.update({k: first.meta[k] for k in (meta.MODEL_PARALLEL, meta.PLAN_PLACEMENT)
+                                  if k in first.meta})
     for piece, (issue, wait) in zip(pieces, chained):
         cut = piece if piece.target is aten.slice.Tensor else piece.args[0]  # (or a view of it)
         cut.replace_input_with(flat, done)  # its slice reads the all-reduced bucket

@@ -8,6 +8,7 @@ The seed spelling ``compile(parallel_mode=...)(train_step)`` is the same thing.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -108,8 +109,8 @@ class CompiledStep:
         sa = self._arguments(args, kwargs)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         mesh = call_mesh(self.mesh, module_device(sa.module, inputs))
-        if sa.seq_dims:
-            sa = _sequence_sharded(sa, mesh)
+        if sa.seq_dims or context_parallel.cp_mesh(mesh) is not None:
+            sa = _sequence_sharded(sa, mesh, self.parallel_mode)
         if self.verification is not None and self.verification.due():
             return _checked(self, sa, mesh)
         return self._run(sa, mesh)
@@ -232,9 +233,10 @@ def _variants(step: CompiledStep) -> Variants:
                     tuple(s.name for s in STAGES if s.optional and s.applies(applies)))
 
 
-def _sequence_sharded(sa: StepArgs, mesh) -> StepArgs:
+def _sequence_sharded(sa: StepArgs, mesh, mode: DataParallel) -> StepArgs:
     """The call under context parallelism: the parameters replicated over the cp dim (once),
     the inputs cut to this rank's piece of the sequence (features/context_parallel.py)."""
+    context_parallel.check(mode, mesh)
     context_parallel.place_parameters(sa.module, sa.optimizers, mesh)
     return dataclasses.replace(sa, leaves=context_parallel.shard_inputs(
         sa.leaves, sa.input_indices, sa.seq_dims, mesh))
@@ -348,7 +350,7 @@ def _check_options(parallel_mode, backend: str, mesh) -> None:
         raise SPMDError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if mesh is not None:
         check_mesh(parallel_mode, mesh)
-    context_parallel.check(parallel_mode, mesh)
+        context_parallel.check(parallel_mode, mesh)
 
 
 def _place_live_state(sa: StepArgs, mesh, mode: DataParallel, retain: bool) -> None:
@@ -428,12 +430,18 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     """
     step = train_step if isinstance(train_step, CompiledStep) else CompiledStep(
         train_step, parallel_mode or DataParallel("replicate"), dump_dir=dump_dir)
+    context = step.parallel_mode.input_seq_dim is not None
+    if context:  # the sequence's layout replaces the parameters: explain a copy
+        args, kwargs = copy.deepcopy((args, kwargs))
     if dist.is_available() and dist.is_initialized():
         sa = _explained_args(step, args, kwargs)
         mesh = call_mesh(step.mesh, module_device(sa.module, [sa.leaves[i] for i in sa.input_indices]))
-        return _explain(step, sa, mesh, stand_in=False)
+        return _explain(step, _sequence_sharded(sa, mesh, step.parallel_mode) if context else sa, mesh, stand_in=False)
     hybrid = step.parallel_mode.parallel_style == "hybrid_shard"
-    if hybrid:
+    names = ("replicate", "shard") if hybrid else ("dp", "cp") if context else None
+    if context:
+        shape = world_size if isinstance(world_size, tuple) else (1, world_size or 2)
+    elif hybrid:
         shape = world_size if isinstance(world_size, tuple) else (max(1, (world_size or 4) // 2), 2)
     else:
         shape = (world_size or 2,)
@@ -444,9 +452,8 @@ def explain(train_step: Callable, *args, parallel_mode: DataParallel | None = No
     with stand_in_process_group(int(torch.tensor(shape).prod())):
         sa = _explained_args(step, args, kwargs)
         device = module_device(sa.module, [sa.leaves[i] for i in sa.input_indices])
-        mesh = init_device_mesh(device.type, shape,
-                                mesh_dim_names=("replicate", "shard") if hybrid else None)
-        return _explain(step, sa, mesh, stand_in=True)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        return _explain(step, _sequence_sharded(sa, mesh, step.parallel_mode) if context else sa, mesh, stand_in=True)
 
 
 def _explained_args(step: CompiledStep, args: tuple, kwargs: dict) -> StepArgs:

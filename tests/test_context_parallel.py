@@ -240,3 +240,56 @@ def _llama_parity(mesh_shape: tuple, style: str = "replicate", seq: int = 16, ba
 def test_hugging_face_llama_with_labels_trains_as_one_device(pool2):
     reps = run_without_problems(pool2, _llama_parity, (1, 2))
     assert [r["compiles"] for r in reps] == [1, 1], reps
+
+
+def _batch_change_and_eval():
+    """Another batch size recompiles (the flattened sequence's split depends on it) and trains
+    right; the model evaluated outside the step is one device's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_compiler import DataParallel, spmd_compile
+
+    torch.manual_seed(0)
+    model = TinyGPT("sdpa")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp"))
+    step = spmd_compile(DataParallel("replicate", input_seq_dim=(1, 1)), mesh=mesh)(targets_step)
+    chk = ParityChecker(rtol=1e-4, atol=1e-5)
+    for i, batch in enumerate([2, 2, 3, 2]):
+        ids, targets = _rows(i, 0, batch, 16)
+        loss = step(model, opt, ids, targets)
+        chk.close("loss", f"step {i} loss", loss.detach(), targets_step(ref, ref_opt, ids, targets))
+    _compare(chk, model, opt, ref, ref_opt)
+    ids = _rows(9, 0, 3, 16)[0]
+    with torch.no_grad():
+        chk.close("param", "model(ids) outside the step", model(ids), ref(ids))
+    return {"problems": chk.problems, "compiles": step.compile_count}
+
+
+def test_a_new_batch_size_recompiles_and_the_model_evaluates_outside_the_step(pool2):
+    reps = run_without_problems(pool2, _batch_change_and_eval)
+    assert [r["compiles"] for r in reps] == [2, 2], reps
+
+
+def test_explain_names_the_exchanged_keys_and_values_on_the_cp_dim():
+    """``explain`` on a stand-in (dp, cp) mesh: the keys' and values' all-gathers, their
+    gradients' reduce-scatters and the gradients' sum over cp, each on the cp dim; the model
+    and optimizer are left as they were."""
+    from spmd_compiler import DataParallel, explain
+
+    torch.manual_seed(0)
+    model = TinyGPT("sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids, targets = _rows(0, 0, 2, 16)
+    summary = explain(targets_step, model, opt, ids, targets, world_size=(2, 2),
+                      parallel_mode=DataParallel("fully_shard", input_seq_dim=(1, 1)))
+    text = summary.to_text()
+    lines = [line for line in text.splitlines() if "(plan dim cp)" in line]
+    counts = {line.split()[0]: int(line.split()[4]) for line in lines if line.split()[3] == "cp)"}
+    assert counts.get("all_gather_into_tensor") == 2 * 2 * LAYERS, text  # k, v; forward, backward
+    assert counts.get("reduce_scatter_tensor") == 2 * LAYERS, text  # their gradients
+    assert "(None)" not in text, text
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    assert not opt.state

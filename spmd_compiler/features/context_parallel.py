@@ -154,7 +154,7 @@ def _seq_sharded(t: Any, d: int, seq: int) -> bool:
 def _whole_keys(t: DTensor, d: int, seq: int) -> torch.Tensor:
     """The keys (or values) of every rank of the cp group, this rank's other dims' pieces."""
     if t.placements[d] == Shard(seq):
-        return funcol.all_gather_tensor(local_tensor(t).contiguous(), seq, (t.device_mesh, d))
+        return funcol.all_gather_single(local_tensor(t).contiguous(), seq, (t.device_mesh, d))
     if t.placements[d] == Replicate():
         return local_tensor(t)
     return local_tensor(t.redistribute(t.device_mesh, _with(t.placements, d, Replicate())))
@@ -276,7 +276,7 @@ def _key_grad(g: torch.Tensor, like: DTensor, total: int, d: int, seq: int) -> D
         g = torch.nn.functional.pad(g, pad)
     mesh = like.device_mesh
     if like.placements[d] == Shard(seq):
-        g = funcol.reduce_scatter_tensor(g.contiguous(), "sum", seq, (mesh, d))
+        g = funcol.reduce_scatter_single(g.contiguous(), "sum", seq, (mesh, d))
         placements = like.placements
     else:
         placements = _with(like.placements, d, Partial())
