@@ -23,8 +23,9 @@ VOCAB, WIDTH, HEADS, LAYERS = 32, 16, 4, 2
 
 class Block(nn.Module):
     """A pre-norm transformer block; attention by SDPA (``attention="sdpa"``), written out with
-    a ``tril`` mask buffer (``"written"``), or SDPA with grouped keys and rotary positions
-    (``"gqa_rotary"``)."""
+    a ``tril`` mask buffer (``"written"``), SDPA with grouped keys and rotary positions
+    (``"gqa_rotary"``), SDPA with a boolean mask made in the step (``"masked"``) or none
+    (``"bidirectional"``)."""
 
     def __init__(self, attention: str, seq: int):
         super().__init__()
@@ -52,6 +53,11 @@ class Block(nn.Module):
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head))
             att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
             y = F.softmax(att, dim=-1) @ v
+        elif self.attention == "masked":  # a mask the step makes, as a boolean tensor
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+        elif self.attention == "bidirectional":
+            y = F.scaled_dot_product_attention(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                enable_gqa=self.kv_heads != HEADS)
@@ -143,7 +149,8 @@ def _parity(attention: str, style: str, mesh_shape: tuple, shifted: bool, seq: i
     fn = shifted_step if shifted else targets_step
     seq_dims = 1 if shifted else (1, 1)
     step = spmd_compile(DataParallel(style, input_seq_dim=seq_dims), mesh=mesh)(fn)
-    chk = ParityChecker(rtol=1e-4, atol=1e-5)
+    chk = ParityChecker(rtol=1e-4, atol=5e-5)  # AdamW at lr 1e-2 turns round-off of near-zero
+    # gradients (attention merged over key blocks) into updates of up to ~1e-5
     for i in range(STEPS):
         rows = [_rows(i, r, batch, seq) for r in range(dp.size())]
         ids, targets = rows[dp.get_local_rank()]
@@ -174,15 +181,24 @@ def _compare(chk, model, opt, ref, ref_opt):
 
 
 @pytest.mark.parametrize("attention,shifted", [("sdpa", False), ("written", False),
-                                               ("gqa_rotary", True)])
+                                               ("gqa_rotary", True), ("masked", False),
+                                               ("bidirectional", False)])
 def test_sequence_sharded_over_two_ranks_trains_as_one_device(pool2, attention, shifted):
     reps = run_without_problems(pool2, _parity, attention, "replicate", (1, 2), shifted)
     assert [r["compiles"] for r in reps] == [1, 1], reps
+    # the kernel runs on each rank's queries; under a causal mask the second rank's attend two
+    # key blocks (the first rank's keys whole, its own causally)
+    kernels = 0 if attention == "written" else LAYERS
+    blocks = 2 if attention in ("sdpa", "gqa_rotary") else 1
+    assert [r["collectives"].get("attention", 0) for r in reps] == [kernels, blocks * kernels], reps
 
 
 def _collectives(step) -> dict:
+    """Collective issue nodes of the last program by kind, and its CPU attention kernels."""
     counts: dict[str, int] = {}
     for n in step.last_compiled.traced.gm.graph.nodes:
+        if n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            counts["attention"] = counts.get("attention", 0) + 1
         if n.op == "call_function" and "c10d" in str(n.target) and "wait" not in str(n.target):
             name = str(n.target).split(".")[-2]
             counts[name] = counts.get(name, 0) + 1
@@ -223,7 +239,8 @@ def _llama_parity(mesh_shape: tuple, style: str = "replicate", seq: int = 16, ba
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "cp"))
     dp = mesh["dp"]
     step = spmd_compile(DataParallel(style, input_seq_dim=1), mesh=mesh)(llama_step)
-    chk = ParityChecker(rtol=1e-4, atol=1e-5)
+    chk = ParityChecker(rtol=1e-4, atol=5e-5)  # AdamW at lr 1e-2 turns round-off of near-zero
+    # gradients (attention merged over key blocks) into updates of up to ~1e-5
     for i in range(STEPS):
         rows = [_rows(i, r, batch, seq)[0] for r in range(dp.size())]
         ids = rows[dp.get_local_rank()]
@@ -256,7 +273,8 @@ def _batch_change_and_eval():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp"))
     step = spmd_compile(DataParallel("replicate", input_seq_dim=(1, 1)), mesh=mesh)(targets_step)
-    chk = ParityChecker(rtol=1e-4, atol=1e-5)
+    chk = ParityChecker(rtol=1e-4, atol=5e-5)  # AdamW at lr 1e-2 turns round-off of near-zero
+    # gradients (attention merged over key blocks) into updates of up to ~1e-5
     for i, batch in enumerate([2, 2, 3, 2]):
         ids, targets = _rows(i, 0, batch, 16)
         loss = step(model, opt, ids, targets)

@@ -164,25 +164,36 @@ def _with(placements, d: int, p) -> tuple:
     return tuple(p if i == d else q for i, q in enumerate(placements))
 
 
-def _mask(q: DTensor, keys: int, is_causal: bool, attn_mask, d: int, seq: int):
-    """(number of keys attended, additive mask of this rank's query rows) for a query sharded
-    on ``seq`` over cp dim ``d``: a causal mask offset to the rank's first row, over the keys up
-    to its last row; a mask the user gave, cut to the rank's rows."""
+def _blocks(q: DTensor, keys: int, is_causal: bool, attn_mask, d: int, seq: int) -> list:
+    """The key blocks a rank's queries (sharded on ``seq`` over cp dim ``d``) attend, as
+    (first key, end, causal, mask): under a causal mask the keys before the rank's rows whole
+    and its own rows' block causal (a square block: SDPA's ``is_causal`` is right there), the
+    keys after them not at all; a mask the user gave, cut to the rank's rows; else every key."""
     rows = local_tensor(q).shape[seq]
     first = q.device_mesh.get_local_rank(d) * rows
     if attn_mask is not None:
         m = attn_mask
         if isinstance(m, DTensor):
-            m = local_tensor(m.redistribute(m.device_mesh, [Replicate()] * m.device_mesh.ndim))
+            m = local_tensor(_whole(m))
         if m.shape[-2] != 1:
             m = m.narrow(-2, first, rows)
-        return keys, m
+        return [(0, keys, False, m)]
     if not is_causal:
-        return keys, None
-    keys = first + rows
-    allowed = torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(diagonal=first)
-    mask = torch.zeros(rows, keys, dtype=local_tensor(q).dtype, device=q.device)
-    return keys, mask.masked_fill(allowed.logical_not(), float("-inf"))
+        return [(0, keys, False, None)]
+    return ([(0, first, False, None)] if first else []) + [(first, first + rows, True, None)]
+
+
+def _merged(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention's (output, logsumexp) from those of its key blocks (in float32, as
+    torch's ring attention merges them)."""
+    out, lse = parts[0]
+    dtype = out.dtype
+    out, lse = out.float(), lse.float()
+    for o, l in parts[1:]:
+        o, l = o.float(), l.float()
+        out = out - torch.sigmoid(l - lse).unsqueeze(-1) * (out - o)
+        lse = lse - torch.nn.functional.logsigmoid(lse - l)
+    return out.to(dtype), lse
 
 
 def _cat(op, args, kwargs, own):
@@ -238,9 +249,10 @@ def _attention(op, args, kwargs, own):
         q = q.redistribute(q.device_mesh, _with(q.placements, d, Shard(seq)))
     _no_dropout(dropout_p)
     kk, vv = _whole_keys(k, d, seq), _whole_keys(v, d, seq)
-    n, mask = _mask(q, kk.shape[seq], is_causal, attn_mask, d, seq)
-    out, lse = op(local_tensor(q), kk.narrow(seq, 0, n), vv.narrow(seq, 0, n), 0.0, False,
-                  attn_mask=mask, scale=scale)
+    ql = local_tensor(q)
+    out, lse = _merged([op(ql, kk[..., a:b, :], vv[..., a:b, :], 0.0, causal, attn_mask=mask,
+                           scale=scale)
+                        for a, b, causal, mask in _blocks(q, kk.shape[seq], is_causal, attn_mask, d, seq)])
     shape = (*q.shape[:-1], v.shape[-1])
     return (DTensor.from_local(out, q.device_mesh, q.placements, run_check=False,
                                shape=torch.Size(shape), stride=_contiguous(shape)),
@@ -249,6 +261,8 @@ def _attention(op, args, kwargs, own):
 
 
 def _attention_backward(op, args, kwargs, own):
+    """Each key block's gradients from the merged output and logsumexp (what flash attention's
+    backward reads: the block's share of every row's softmax follows from them)."""
     grad_out, q, k, v, out, lse = args[:6]
     dropout_p, is_causal = args[6], args[7]
     attn_mask, scale = kwargs.get("attn_mask"), kwargs.get("scale")
@@ -258,10 +272,15 @@ def _attention_backward(op, args, kwargs, own):
     grad_out = grad_out.redistribute(mesh, placements)
     kk, vv = _whole_keys(k, d, seq), _whole_keys(v, d, seq)
     total = kk.shape[seq]
-    n, mask = _mask(q, total, is_causal, attn_mask, d, seq)
-    gq, gk, gv = op(local_tensor(grad_out), local_tensor(q), kk.narrow(seq, 0, n),
-                    vv.narrow(seq, 0, n), local_tensor(out), local_tensor(lse), 0.0, False,
-                    attn_mask=mask, scale=scale)
+    locals_ = [local_tensor(t) for t in (grad_out, q, out, lse)]
+    gq, gk, gv = None, [], []
+    for a, b, causal, mask in _blocks(q, total, is_causal, attn_mask, d, seq):
+        dq, dk, dv = op(locals_[0], locals_[1], kk[..., a:b, :], vv[..., a:b, :], locals_[2],
+                        locals_[3], 0.0, causal, attn_mask=mask, scale=scale)
+        gq = dq if gq is None else gq + dq
+        gk.append(dk)
+        gv.append(dv)
+    gk, gv = torch.cat(gk, dim=seq), torch.cat(gv, dim=seq)
     return (DTensor.from_local(gq, mesh, placements, run_check=False, shape=q.shape,
                                stride=_contiguous(q.shape)),
             _key_grad(gk, k, total, d, seq), _key_grad(gv, v, total, d, seq))
