@@ -52,7 +52,11 @@ def alias_source(node: fx.Node) -> fx.Node | None:
     values = dict(zip((a.name for a in schema.arguments), node.args))
     values.update(node.kwargs)
     for arg in schema.arguments:
-        if arg.alias_info is not None and arg.alias_info.before_set == alias:
+        if arg.alias_info is None:
+            continue
+        # a list of views (split, unbind, chunk): ``Tensor(a -> *) self``, the list's own
+        # alias set empty
+        if arg.alias_info.before_set == alias or (not alias and "*" in arg.alias_info.after_set):
             value = values.get(arg.name)
             return value if isinstance(value, fx.Node) else None
     return None

@@ -5,6 +5,8 @@ by node with the meta the pass reads (REGION, ROLE, COLLECTIVE, SYNCED_GRAD, fak
 from __future__ import annotations
 
 import pytest
+import operator
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -261,6 +263,25 @@ def test_graph_nodes_read_no_module_state():
     out = gm(x, *WORKSPACES.buffers(sig.workspaces), None)  # no agreement in flight
     torch.testing.assert_close(out[0], (x * 2 + 1).sum())
     assert WORKSPACES.nbytes() == 2 * nbytes
+
+
+def test_memory_plan_keeps_a_buffer_alive_through_the_views_split_makes():
+    """``split`` returns a list of views of its input: the buffer lives until their last reader,
+    so the ``cat`` reading them writes elsewhere (an alias made torch refuse the ``cat.out``)."""
+    n = 64
+    b = _Builder()
+    x = b.input("x", 2 * n, n)
+    doubled = b.call(aten.mul.Tensor, x, 2)
+    parts = b.call(aten.split.Tensor, doubled, n)
+    first, second = b.call(operator.getitem, parts, 0), b.call(operator.getitem, parts, 1)
+    joined = b.call(aten.cat.default, [first, second], 1,
+                    val=torch.cat([first.meta["val"], second.meta["val"]], 1))
+    gm = plan_static_memory(b.done(b.call(aten.sum.default, joined)), min_bytes=1)
+    slices = sorted(s.args[2] for s in gm.graph.nodes if s.target is aten.slice.Tensor)
+    assert slices == [0, 2 * n * n * 4], slices  # side by side, not both at offset 0
+    x = torch.randn(2 * n, n)
+    buffer = torch.zeros(4 * n * n * 4, dtype=torch.uint8)
+    torch.testing.assert_close(gm(x, buffer)[0], (2 * x).sum())
 
 
 def test_memory_plan_leaves_small_tensors_to_malloc():
