@@ -244,9 +244,7 @@ def _sequence_sharded(sa: StepArgs, mesh, mode: DataParallel) -> StepArgs:
 
 def _unverifiable(step: CompiledStep, sa: StepArgs) -> str | None:
     """Why this call cannot be checked against the eager reference (None: it can)."""
-    if sa.seq_dims:
-        return "the step shards the sequence (context parallelism)"
-    if has_plan(sa.module):
+    if has_plan(sa.module) and not sa.seq_dims:  # (context parallelism's own plan is checked)
         return "the step has a tensor-parallel plan"
     if step.parallel_mode.mp_policy is not None:
         return "the step runs under a mixed-precision policy"

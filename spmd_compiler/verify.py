@@ -322,8 +322,9 @@ def _reference(fn: Callable, sa, modules, group, broadcast_buffers: bool
 
 
 def _copied_input(x):
+    """An input as one device reads it: a copy (a sequence-sharded input whole)."""
     if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter):
-        return x.detach().clone().requires_grad_(x.requires_grad)
+        return _full(x).detach().clone().requires_grad_(x.requires_grad)
     return x
 
 

@@ -310,3 +310,41 @@ def test_explain_names_the_exchanged_keys_and_values_on_the_cp_dim():
     assert "(None)" not in text, text
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
     assert not opt.state
+
+
+def _verified(break_causal: bool):
+    """Every call checked against the eager reference (one device's step on the group's rows);
+    a program whose attention lost its causal mask is caught."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_compiler import DataParallel, spmd_compile
+    from spmd_compiler.errors import DivergenceError
+
+    def no_causal_mask(gm):
+        for n in gm.graph.nodes:
+            if n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+                n.args = (*n.args[:4], False)
+        gm.recompile()
+        return gm
+
+    torch.manual_seed(0)
+    model = TinyGPT("sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    step = spmd_compile(DataParallel("fully_shard", input_seq_dim=(1, 1)), mesh=mesh,
+                        verify_every=1,
+                        gm_transformation=no_causal_mask if break_causal else None)(targets_step)
+    try:
+        for i in range(STEPS):
+            step(model, opt, *_rows(i, mesh["dp"].get_local_rank(), 2, 16))
+    except DivergenceError as e:
+        return {"problems": [], "raised": str(e)}
+    return {"problems": [], "checked": step.verification.checked}
+
+
+def test_verify_checks_a_context_parallel_step_against_one_device(pool4):
+    reps = run_without_problems(pool4, _verified, False)
+    assert [r.get("checked") for r in reps] == [STEPS] * 4, reps
+    reps = run_without_problems(pool4, _verified, True)
+    assert all("raised" in r and "differs from the step run eagerly" in r["raised"]
+               and "parameter model." in r["raised"] for r in reps), reps[0].get("raised")

@@ -68,7 +68,12 @@ def place_parameters(module: torch.nn.Module, optimizers: list, mesh) -> None:
     dim of ``mesh``, the values of the cp group's first rank; parameters already placed are left."""
     cp = cp_mesh(mesh)
     seen: dict[int, torch.nn.Parameter] = {}
-    for p in module.parameters():
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor) and not _made_here(p):
+            raise ContextParallelError(
+                f"parameter {name!r} is a DTensor of a tensor-parallel plan ({p.placements} on "
+                f"{p.device_mesh}); context parallelism does not compose with a plan yet: "
+                f"compile the model without parallelize_module, or without input_seq_dim")
         if isinstance(p, DTensor) or id(p) in seen:
             continue
         dt = distribute_tensor(p.detach(), cp, [Replicate()])
@@ -91,6 +96,11 @@ def place_parameters(module: torch.nn.Module, optimizers: list, mesh) -> None:
                               if isinstance(v, torch.Tensor) and v.dim() > 0 and np_ is not p else v)
                           for k, v in st.items()}
         opt.state = state
+
+
+def _made_here(p: DTensor) -> bool:
+    plan = getattr(p, "_spmd_plan", None)
+    return getattr(p, "_spmd_context", False) or (plan is not None and plan.context)
 
 
 def shard_inputs(leaves: list, input_indices: list[int], seq_dims: list, mesh) -> list:
@@ -148,12 +158,18 @@ def _cp_dim(t: DTensor) -> int | None:
 
 
 def _seq_sharded(t: Any, d: int, seq: int) -> bool:
-    return isinstance(t, DTensor) and t.placements[d] == Shard(seq)
+    return isinstance(t, DTensor) and _shard_dim(t.placements[d]) == seq
+
+
+def _shard_dim(p) -> int | None:
+    """The dim ``p`` shards in contiguous pieces: ``Shard(d)``, or ``_StridedShard(d)`` of
+    split factor 1 (the same layout; DTensor's view rule makes it for a batch of one)."""
+    return p.dim if is_dim_shard(p) and getattr(p, "split_factor", 1) == 1 else None
 
 
 def _whole_keys(t: DTensor, d: int, seq: int) -> torch.Tensor:
     """The keys (or values) of every rank of the cp group, this rank's other dims' pieces."""
-    if t.placements[d] == Shard(seq):
+    if _shard_dim(t.placements[d]) == seq:
         return funcol.all_gather_single(local_tensor(t).contiguous(), seq, (t.device_mesh, d))
     if t.placements[d] == Replicate():
         return local_tensor(t)
@@ -294,7 +310,7 @@ def _key_grad(g: torch.Tensor, like: DTensor, total: int, d: int, seq: int) -> D
         pad = [0, 0] * (g.dim() - 1 - seq) + [0, total - g.shape[seq]]
         g = torch.nn.functional.pad(g, pad)
     mesh = like.device_mesh
-    if like.placements[d] == Shard(seq):
+    if _shard_dim(like.placements[d]) == seq:
         g = funcol.reduce_scatter_single(g.contiguous(), "sum", seq, (mesh, d))
         placements = like.placements
     else:
