@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("docs/benchmarks.md", "docs/memory.md", "docs/batch_sweep.md", "docs/compile_time.md")
+PAGES = ("docs/benchmarks.md", "docs/memory.md", "docs/batch_sweep.md", "docs/compile_time.md",
+         "docs/context_parallel_figures.md")
 MEASURED = ("benchmarks", "passes", "spmd_compiler")
 # the pathspecs of the measured code: the generators' results (benchmarks/*.json) and this
 # listing are not what the pages measure

@@ -121,6 +121,15 @@ RANKS = {
     ("docs/training_features.md", "for k, batch in enumerate(loader):"):
         ((), 'train_step = spmd_compile(DataParallel("replicate"))(train_step)'),
     ("docs/tensor_parallel.md", "import torch"): ((), ""),
+    ("docs/context_parallel.md", "from torch.distributed.device_mesh import init_device_mesh"):
+        ((), "from transformers import LlamaConfig, LlamaForCausalLM\n"
+             "dp, cp = 1, 2\n"
+             "model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, "
+             "intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, "
+             "num_key_value_heads=1))\n"
+             "optim = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+             "loader = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(k)) "
+             "for k in range(2)]"),
     ("docs/tensor_parallel.md", "from spmd_compiler import DataParallel"):
         ((("docs/tensor_parallel.md", "import torch"),), ""),
 }
@@ -287,6 +296,7 @@ GENERATED = {  # page: what writes it
     "docs/memory.md": "python -m benchmarks.memory --write-docs",
     "docs/compile_time.md": "python -m benchmarks.compile_time --write-docs",
     "docs/batch_sweep.md": "python -m benchmarks.sweep --write-docs",
+    "docs/context_parallel_figures.md": "python -m benchmarks.context_parallel --write-docs",
 }
 
 
