@@ -109,8 +109,7 @@ class CompiledStep:
         sa = self._arguments(args, kwargs)
         inputs = [sa.leaves[i] for i in sa.input_indices]
         mesh = call_mesh(self.mesh, module_device(sa.module, inputs))
-        if sa.seq_dims or context_parallel.cp_mesh(mesh) is not None:
-            sa = _sequence_sharded(sa, mesh, self.parallel_mode)
+        sa = _sequence_sharded(sa, mesh, self.parallel_mode)
         if self.verification is not None and self.verification.due():
             return _checked(self, sa, mesh)
         return self._run(sa, mesh)
@@ -235,11 +234,14 @@ def _variants(step: CompiledStep) -> Variants:
 
 def _sequence_sharded(sa: StepArgs, mesh, mode: DataParallel) -> StepArgs:
     """The call under context parallelism: the parameters replicated over the cp dim (once),
-    the inputs cut to this rank's piece of the sequence (features/context_parallel.py)."""
+    the inputs cut to this rank's piece of the sequence (features/context_parallel.py); ``sa``
+    itself without context parallelism."""
+    if not sa.seq_dims and context_parallel.cp_mesh(mesh) is None:
+        return sa
     context_parallel.check(mode, mesh)
-    context_parallel.place_parameters(sa.module, sa.optimizers, mesh)
-    return dataclasses.replace(sa, leaves=context_parallel.shard_inputs(
-        sa.leaves, sa.input_indices, sa.seq_dims, mesh))
+    leaves = context_parallel.shard_inputs(sa.leaves, sa.input_indices, sa.seq_dims, mesh)
+    context_parallel.place_parameters(sa.module, sa.optimizers, mesh)  # (after the checks)
+    return dataclasses.replace(sa, leaves=leaves)
 
 
 def _unverifiable(step: CompiledStep, sa: StepArgs) -> str | None:

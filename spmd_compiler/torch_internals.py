@@ -889,8 +889,8 @@ def guarded_split_factors():
     replacing the symbol (the batch stays a symbol for the placement analysis; another batch size
     recompiles)."""
     import torch.distributed.tensor._ops._view_ops as view_ops
-    import sympy
     from torch._guards import ShapeGuard
+    from torch.fx.experimental import symbolic_shapes
 
     own = view_ops._explicit_unbacked_hint
 
@@ -902,7 +902,8 @@ def guarded_split_factors():
         env = getattr(node, "shape_env", None)
         if env is None or node.hint is None:
             return None
-        env.guards.append(ShapeGuard(sympy.Eq(node.expr, int(node.hint)), env._get_sloc(), False))
+        equal = symbolic_shapes.sympy.Eq(node.expr, int(node.hint))  # (sympy, through torch)
+        env.guards.append(ShapeGuard(equal, env._get_sloc(), False))
         return int(node.hint)
 
     view_ops._explicit_unbacked_hint = hint

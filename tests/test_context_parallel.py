@@ -348,3 +348,49 @@ def test_verify_checks_a_context_parallel_step_against_one_device(pool4):
     reps = run_without_problems(pool4, _verified, True)
     assert all("raised" in r and "differs from the step run eagerly" in r["raised"]
                and "parameter model." in r["raised"] for r in reps), reps[0].get("raised")
+
+
+def _refusals():
+    """What context parallelism cannot run is refused by name, before any state changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_module
+
+    from spmd_compiler import DataParallel, spmd_compile
+    from spmd_compiler.errors import ContextParallelError
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp"))
+    out = {}
+
+    def refused(what, call):
+        try:
+            call()
+        except ContextParallelError as e:
+            out[what] = str(e)
+        else:
+            out[what] = None
+
+    torch.manual_seed(0)
+    model = TinyGPT("sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids, targets = _rows(0, 0, 2, 16)
+    refused("no cp dim", lambda: spmd_compile(DataParallel("replicate", input_seq_dim=1),
+                                              mesh=init_device_mesh("cpu", (2,)))(targets_step))
+    refused("no input_seq_dim", lambda: spmd_compile(DataParallel("replicate"), mesh=mesh)(
+        targets_step))
+    step = spmd_compile(DataParallel("replicate", input_seq_dim=1), mesh=mesh)(targets_step)
+    refused("uneven", lambda: step(model, opt, ids[:, :15], targets[:, :15]))
+    planned = TinyGPT("sdpa")
+    distribute_module(planned, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    refused("plan", lambda: step(planned, torch.optim.AdamW(planned.parameters()), ids, targets))
+    out["untouched"] = not any(isinstance(p, torch.distributed.tensor.DTensor)
+                               for p in model.parameters())
+    return {"problems": [], **out}
+
+
+def test_what_context_parallelism_cannot_run_is_refused_by_name(pool2):
+    rep = run_without_problems(pool2, _refusals)[0]
+    assert "mesh dim named 'cp'" in rep["no cp dim"], rep
+    assert "input_seq_dim" in rep["no input_seq_dim"], rep
+    assert "length 15" in rep["uneven"] and "pad" in rep["uneven"], rep
+    assert "tensor-parallel plan" in rep["plan"], rep
+    assert rep["untouched"], rep
