@@ -57,6 +57,7 @@ class Case:
     change: str | None
     act: str
     world: int = 2
+    sequence: bool = False  # the sequence sharded over every rank (context parallelism)
 
     @staticmethod
     def draw(seed: int) -> "Case":
@@ -73,6 +74,11 @@ class Case:
                     weight_decay=r.choice([0.0, 0.0, 0.01, 0.1]), extras=extras,
                     change=r.choice(CHANGES), act=r.choice(["GELU", "ReLU", "SiLU", "Tanh"]),
                     world=3 if r.random() < 0.15 else 2)
+        if model in ("tokens", "attention") and r.random() < 0.35:
+            # every rank passes the same rows; a value that differs per rank has no one-device
+            # meaning there
+            case = dataclasses.replace(case, sequence=True, change=(
+                "global" if case.change == "per_rank" else case.change))
         if case.change == "unfreeze" and case.impl == "fused" and case.optimizer in (
                 "momentum", "nesterov"):
             # torch's fused SGD cannot start the momentum of some parameters only: eagerly too
@@ -154,8 +160,8 @@ class Net(nn.Module):
 
 
 def _data_source(c: Case) -> str:
-    shape = {"mlp": "(B, IN)", "conv": "(B, 3, 8, 8)", "tokens": None, "attention": "(B, 5, IN)",
-             "rnn": "(B, 4, IN)"}[c.model]
+    shape = {"mlp": "(B, IN)", "conv": "(B, 3, 8, 8)", "tokens": None,
+             "attention": "(B, 6, IN)" if c.sequence else "(B, 5, IN)", "rnn": "(B, 4, IN)"}[c.model]
     x = ("torch.randint(0, OUT, (B, 6), generator=g)" if shape is None
          else f"torch.randn(*{shape}, generator=g)")
     return f"""
@@ -191,6 +197,18 @@ def _tolerance(c: Case) -> tuple | None:
     if "autocast" not in c.extras:
         return None
     return (2e-2, 2.5e-2) if c.optimizer in ("adam", "adamw") else (2e-2, 2e-3)
+
+
+def _mode(c: Case) -> str:
+    return "DataParallel(style, input_seq_dim=(1, None, None))" if c.sequence else "DataParallel(style)"
+
+
+def _mesh(c: Case) -> str:
+    """The sequence over every rank: a ("dp", "cp") mesh of one data-parallel group."""
+    if not c.sequence:
+        return ""
+    return (",\n                            mesh=init_device_mesh('cpu', (1, dist.get_world_size()), "
+            "mesh_dim_names=('dp', 'cp'))")
 
 
 def script(c: Case) -> str:
@@ -311,14 +329,16 @@ def make_step(sched, scale):
 
 def run(style, steps={STEPS}):
     """Every call checked against the step run eagerly with DDP's semantics."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from spmd_compiler import DataParallel, spmd_compile
 
     step, objs, change = build()
-    compiled = spmd_compile(DataParallel(style), verify_every=1,
-                            verify_tolerance={_tolerance(c)})(step)
+    compiled = spmd_compile({_mode(c)}, verify_every=1,
+                            verify_tolerance={_tolerance(c)}{_mesh(c)})(step)
     for i in range(steps):
         change(i)
-        batch = data(i, dist.get_rank())
+        batch = data(i, {"0" if c.sequence else "dist.get_rank()"})
         model, opt, *rest = objs
         compiled(model, opt, batch, *rest)
     return compiled.compile_count

@@ -105,13 +105,17 @@ def _made_here(p: DTensor) -> bool:
 
 def shard_inputs(leaves: list, input_indices: list[int], seq_dims: list, mesh) -> list:
     """``leaves`` with every input that has a sequence dim replaced by a DTensor ``Shard(seq)``
-    on the cp dim around this rank's contiguous piece of it."""
+    on the cp dim around this rank's contiguous piece of it, every other input by a DTensor
+    ``Replicate()`` (a plain tensor of a symbolic batch size cannot meet a DTensor)."""
     cp = cp_mesh(mesh)
     rank, size = cp.get_local_rank(), cp.size()
     out = list(leaves)
     for i, d in zip(input_indices, seq_dims):
         t = leaves[i]
-        if d is None or isinstance(t, DTensor):
+        if isinstance(t, DTensor):
+            continue
+        if d is None:  # the same on every rank of the group (a DTensor, as the step's others)
+            out[i] = DTensor.from_local(t, cp, [Replicate()], run_check=False)
             continue
         n = t.shape[d]
         if n % size:
@@ -270,6 +274,8 @@ def _attention(op, args, kwargs, own):
                            scale=scale)
                         for a, b, causal, mask in _blocks(q, kk.shape[seq], is_causal, attn_mask, d, seq)])
     shape = (*q.shape[:-1], v.shape[-1])
+    # (contiguous: the DTensor says so, and DTensor decides views by the strides it says)
+    out, lse = out.contiguous(), lse.contiguous()
     return (DTensor.from_local(out, q.device_mesh, q.placements, run_check=False,
                                shape=torch.Size(shape), stride=_contiguous(shape)),
             DTensor.from_local(lse, q.device_mesh, q.placements, run_check=False,
@@ -297,7 +303,7 @@ def _attention_backward(op, args, kwargs, own):
         gk.append(dk)
         gv.append(dv)
     gk, gv = torch.cat(gk, dim=seq), torch.cat(gv, dim=seq)
-    return (DTensor.from_local(gq, mesh, placements, run_check=False, shape=q.shape,
+    return (DTensor.from_local(gq.contiguous(), mesh, placements, run_check=False, shape=q.shape,
                                stride=_contiguous(q.shape)),
             _key_grad(gk, k, total, d, seq), _key_grad(gv, v, total, d, seq))
 
