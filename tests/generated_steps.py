@@ -77,8 +77,12 @@ class Case:
         if model in ("tokens", "attention") and r.random() < 0.35:
             # every rank passes the same rows; a value that differs per rank has no one-device
             # meaning there
+            # (bfloat16 autocast left out: a sum over the sequence's pieces rounds each piece
+            # to bfloat16, one ulp from one device's sum, beyond any tolerance that still
+            # tells a wrong program)
             case = dataclasses.replace(case, sequence=True, change=(
-                "global" if case.change == "per_rank" else case.change))
+                "global" if case.change == "per_rank" else case.change),
+                extras=tuple(e for e in case.extras if e != "autocast"))
         if case.change == "unfreeze" and case.impl == "fused" and case.optimizer in (
                 "momentum", "nesterov"):
             # torch's fused SGD cannot start the momentum of some parameters only: eagerly too
@@ -193,14 +197,22 @@ def _loss_source(c: Case) -> str:
 def _tolerance(c: Case) -> tuple | None:
     """verify's tolerance: the default, but under bfloat16 autocast the compiled and the eager
     step round differently; Adam then turns a near-zero gradient's rounding into an update of
-    either sign (up to 2 x lr = 2e-2 apart)."""
-    if "autocast" not in c.extras:
-        return None
-    return (2e-2, 2.5e-2) if c.optimizer in ("adam", "adamw") else (2e-2, 2e-3)
+    either sign (up to 2 x lr = 2e-2 apart); likewise a gradient of round-off only."""
+    if "autocast" in c.extras:
+        return (2e-2, 2.5e-2) if c.optimizer in ("adam", "adamw") else (2e-2, 2e-3)
+    if c.sequence and c.model == "attention" and c.optimizer in ("adam", "adamw"):
+        # the key bias of nn.MultiheadAttention gets a gradient of round-off only (softmax
+        # ignores it), which Adam makes updates of; attention over the sequence's pieces rounds
+        # otherwise than one kernel over the whole
+        return (1e-4, 2e-3)
+    return None
 
 
 def _mode(c: Case) -> str:
-    return "DataParallel(style, input_seq_dim=(1, None, None))" if c.sequence else "DataParallel(style)"
+    if not c.sequence:
+        return "DataParallel(style)"
+    seq = "(1, None, None)"  # (x, y, labels); a dataclass argument after the batch has none
+    return f"DataParallel(style, input_seq_dim={f'({seq}, None)' if c.change == 'config_mutated' else seq})"
 
 
 def _mesh(c: Case) -> str:

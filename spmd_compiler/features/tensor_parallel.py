@@ -64,6 +64,8 @@ def plan_of(t: Any, owner: Any = None) -> Plan | None:
     plan = getattr(t, "_spmd_plan", None)
     if plan is not None:
         return plan
+    if owner is not None and plan_of(owner).context and tuple(t.shape) == tuple(owner.shape):
+        return plan_of(owner)  # a state of context parallelism's parameter: laid out like it
     if hasattr(t, "_spmd_buffer"):
         # placed by data parallelism alone (runtime.place_state marks each such DTensor; its
         # mesh is no sign: DTensor's propagation cache hands out equal meshes across steps)

@@ -168,8 +168,10 @@ def _bind_optimizers(optimizers, fake_of, state_fakes, hparams, grad_nodes, fqn_
         for gi, g in enumerate(opt.param_groups):
             if fuse and fusable(opt, g) and _fused_here(k, gi, g, unfused):
                 g["fused"], g["foreach"] = True, False
-            elif (k, gi) in unfused and g.get("fused"):
-                g["fused"] = False  # (asked for by the user, or by fuse_optimizer before)
+            elif g.get("fused") and ((k, gi) in unfused or tp.refuses_fusing(opt, g["params"])):
+                # (asked for by the user, or by fuse_optimizer before; or a kernel DTensor has
+                # no rule for, on a plan's parameters: the same update, unfused)
+                g["fused"] = False
         new_state = defaultdict(dict)
         for p, st in opt.state.items():
             fp = fake_of[id(p)]
