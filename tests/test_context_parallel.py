@@ -379,6 +379,7 @@ def _refusals():
         targets_step))
     step = spmd_compile(DataParallel("replicate", input_seq_dim=1), mesh=mesh)(targets_step)
     refused("uneven", lambda: step(model, opt, ids[:, :15], targets[:, :15]))
+    refused("one row", lambda: step(model, opt, ids[:1], targets[:1]))
     planned = TinyGPT("sdpa")
     distribute_module(planned, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     refused("plan", lambda: step(planned, torch.optim.AdamW(planned.parameters()), ids, targets))
@@ -392,5 +393,6 @@ def test_what_context_parallelism_cannot_run_is_refused_by_name(pool2):
     assert "mesh dim named 'cp'" in rep["no cp dim"], rep
     assert "input_seq_dim" in rep["no input_seq_dim"], rep
     assert "length 15" in rep["uneven"] and "pad" in rep["uneven"], rep
+    assert "one sequence" in rep["one row"], rep
     assert "tensor-parallel plan" in rep["plan"], rep
     assert rep["untouched"], rep
