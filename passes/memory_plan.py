@@ -35,7 +35,8 @@ _OUT_VARIANTS = {
 }
 _COLLECTIVES = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default,
                 c10d.reduce_scatter_tensor.default, c10d.reduce_scatter_tensor_out.default,
-                c10d.all_reduce.default, c10d.all_reduce_.default, c10d.broadcast_.default)
+                c10d.all_reduce.default, c10d.all_reduce_.default, c10d.broadcast_.default,
+                c10d.all_to_all_single.default)
 
 
 def alias_source(node: fx.Node) -> fx.Node | None:

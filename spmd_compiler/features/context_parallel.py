@@ -192,23 +192,62 @@ def _with(placements, d: int, p) -> tuple:
     return tuple(p if i == d else q for i, q in enumerate(placements))
 
 
-def _blocks(q: DTensor, keys: int, is_causal: bool, attn_mask, d: int, seq: int) -> list:
-    """The key blocks a rank's queries (sharded on ``seq`` over cp dim ``d``) attend, as
-    (first key, end, causal, mask): under a causal mask the keys before the rank's rows whole
-    and its own rows' block causal (a square block: SDPA's ``is_causal`` is right there), the
-    keys after them not at all; a mask the user gave, cut to the rank's rows; else every key."""
-    rows = local_tensor(q).shape[seq]
-    first = q.device_mesh.get_local_rank(d) * rows
-    if attn_mask is not None:
-        m = attn_mask
-        if isinstance(m, DTensor):
-            m = local_tensor(_whole(m))
-        if m.shape[-2] != 1:
-            m = m.narrow(-2, first, rows)
-        return [(0, keys, False, m)]
-    if not is_causal:
-        return [(0, keys, False, None)]
+def _blocks(first: int, rows: int, keys: int, is_causal: bool, mask) -> list:
+    """The key blocks the query rows ``first .. first + rows`` attend, as (first key, end,
+    causal, mask): under a causal mask the keys before the rows whole and the rows' own block
+    causally (a square block: SDPA's ``is_causal`` is right there), the keys after them not at
+    all; else every key (under a mask the step gave, cut to the rows)."""
+    if mask is not None or not is_causal:
+        return [(0, keys, False, mask)]
     return ([(0, first, False, None)] if first else []) + [(first, first + rows, True, None)]
+
+
+def _query_pieces(q: DTensor, attn_mask, is_causal: bool, d: int, seq: int) -> list:
+    """(offset in the local rows, rows, first global row, mask) of each piece of this rank's
+    queries. Under a causal mask without one of the step's the queries are first exchanged into
+    head-and-tail pieces (:func:`_balanced`): rank r of n holds the sequence's pieces r and
+    2n - 1 - r of 2n, so every rank attends as many keys. Else its contiguous piece."""
+    rows = local_tensor(q).shape[seq]
+    rank = q.device_mesh.get_local_rank(d)
+    if _balances(q, attn_mask, is_causal, d, seq):
+        half, n = rows // 2, q.device_mesh.size(d)
+        return [(0, half, rank * half, None), (half, half, (2 * n - 1 - rank) * half, None)]
+    mask = attn_mask
+    if mask is not None:
+        if isinstance(mask, DTensor):
+            mask = local_tensor(_whole(mask))
+        if mask.shape[-2] != 1:
+            mask = mask.narrow(-2, rank * rows, rows)
+    return [(0, rows, rank * rows, mask)]
+
+
+def _balances(q: DTensor, attn_mask, is_causal: bool, d: int, seq: int) -> bool:
+    return (is_causal and attn_mask is None and q.device_mesh.size(d) > 1
+            and local_tensor(q).shape[seq] % 2 == 0)
+
+
+def _holder(j: int, n: int, balanced: bool) -> int:
+    """The cp rank holding piece ``j`` of the sequence's 2n: contiguous (rank r: pieces 2r and
+    2r + 1) or head-and-tail (rank r: pieces r and 2n - 1 - r)."""
+    return (j if j < n else 2 * n - 1 - j) if balanced else j // 2
+
+
+def _balanced(x: torch.Tensor, seq: int, mesh, d: int, to_balanced: bool) -> torch.Tensor:
+    """This rank's rows of ``x`` (sharded on ``seq``) moved between the contiguous and the
+    head-and-tail layouts, each rank's two pieces in sequence order: one all_to_all."""
+    n, me = mesh.size(d), mesh.get_local_rank(d)
+    src, dst = (lambda j: _holder(j, n, not to_balanced)), (lambda j: _holder(j, n, to_balanced))
+    have = [j for j in range(2 * n) if src(j) == me]
+    pieces = dict(zip(have, x.chunk(2, dim=seq)))
+    rows = pieces[have[0]].shape[seq]
+    send = sorted(have, key=lambda j: (dst(j), j))
+    given = torch.cat([pieces[j].movedim(seq, 0) for j in send]).contiguous()
+    get = [j for r in range(n) for j in range(2 * n) if src(j) == r and dst(j) == me]
+    got = funcol.all_to_all_single(
+        given, [rows * sum(1 for j in get if src(j) == r) for r in range(n)],
+        [rows * sum(1 for j in send if dst(j) == r) for r in range(n)], (mesh, d))
+    got = dict(zip(get, got.chunk(2, dim=0)))
+    return torch.cat([got[j] for j in sorted(got)]).movedim(0, seq)
 
 
 def _merged(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,10 +316,21 @@ def _attention(op, args, kwargs, own):
         q = q.redistribute(q.device_mesh, _with(q.placements, d, Shard(seq)))
     _no_dropout(dropout_p)
     kk, vv = _whole_keys(k, d, seq), _whole_keys(v, d, seq)
-    ql = local_tensor(q)
-    out, lse = _merged([op(ql, kk[..., a:b, :], vv[..., a:b, :], 0.0, causal, attn_mask=mask,
-                           scale=scale)
-                        for a, b, causal, mask in _blocks(q, kk.shape[seq], is_causal, attn_mask, d, seq)])
+    balanced = _balances(q, attn_mask, is_causal, d, seq)
+    ql = _balanced(local_tensor(q), seq, q.device_mesh, d, True) if balanced else local_tensor(q)
+    outs, lses = [], []
+    for at, rows, first, mask in _query_pieces(q, attn_mask, is_causal, d, seq):
+        piece = ql.narrow(seq, at, rows)
+        out, lse = _merged([op(piece, kk[..., a:b, :], vv[..., a:b, :], 0.0, causal,
+                               attn_mask=m, scale=scale)
+                            for a, b, causal, m in _blocks(first, rows, kk.shape[seq], is_causal,
+                                                           mask)])
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, dim=seq), torch.cat(lses, dim=seq)
+    if balanced:
+        out = _balanced(out, seq, q.device_mesh, d, False)
+        lse = _balanced(lse, seq, q.device_mesh, d, False)
     shape = (*q.shape[:-1], v.shape[-1])
     # (contiguous: the DTensor says so, and DTensor decides views by the strides it says)
     out, lse = out.contiguous(), lse.contiguous()
@@ -302,27 +352,41 @@ def _attention_backward(op, args, kwargs, own):
     grad_out = grad_out.redistribute(mesh, placements)
     kk, vv = _whole_keys(k, d, seq), _whole_keys(v, d, seq)
     total = kk.shape[seq]
-    locals_ = [local_tensor(t) for t in (grad_out, q, out, lse)]
-    gq, gk, gv = None, [], []
-    for a, b, causal, mask in _blocks(q, total, is_causal, attn_mask, d, seq):
-        dq, dk, dv = op(locals_[0], locals_[1], kk[..., a:b, :], vv[..., a:b, :], locals_[2],
-                        locals_[3], 0.0, causal, attn_mask=mask, scale=scale)
-        gq = dq if gq is None else gq + dq
-        gk.append(dk)
-        gv.append(dv)
-    gk, gv = torch.cat(gk, dim=seq), torch.cat(gv, dim=seq)
+    balanced = _balances(q, attn_mask, is_causal, d, seq)
+    mine = [local_tensor(t) for t in (grad_out, q, out, lse)]
+    if balanced:
+        mine = [_balanced(t, seq, mesh, d, True) for t in mine]
+    gqs, gk, gv = [], None, None
+    for at, rows, first, mask in _query_pieces(q, attn_mask, is_causal, d, seq):
+        g, qp, o, l = (t.narrow(seq, at, rows) for t in mine)
+        parts = [op(g, qp, kk[..., a:b, :], vv[..., a:b, :], o, l.contiguous(), 0.0, causal,
+                    attn_mask=m, scale=scale)
+                 for a, b, causal, m in _blocks(first, rows, total, is_causal, mask)]
+        gq = parts[0][0]
+        for p in parts[1:]:
+            gq = gq + p[0]
+        gqs.append(gq)
+        pk = _padded(torch.cat([p[1] for p in parts], dim=seq), total, seq)
+        pv = _padded(torch.cat([p[2] for p in parts], dim=seq), total, seq)
+        gk, gv = (pk, pv) if gk is None else (gk + pk, gv + pv)
+    gq = torch.cat(gqs, dim=seq)
+    if balanced:
+        gq = _balanced(gq, seq, mesh, d, False)
     return (DTensor.from_local(gq.contiguous(), mesh, placements, run_check=False, shape=q.shape,
                                stride=_contiguous(q.shape)),
             _key_grad(gk, k, total, d, seq), _key_grad(gv, v, total, d, seq))
 
 
+def _padded(g: torch.Tensor, total: int, seq: int) -> torch.Tensor:
+    """``g`` (gradients of the first keys) with zeros for the keys after them, to ``total``."""
+    if g.shape[seq] == total:
+        return g
+    return torch.nn.functional.pad(g, [0, 0] * (g.dim() - 1 - seq) + [0, total - g.shape[seq]])
+
+
 def _key_grad(g: torch.Tensor, like: DTensor, total: int, d: int, seq: int) -> DTensor:
-    """This rank's part of the gradient of every key (zeros past the keys it attended), summed
-    over the cp group into each rank's piece (a reduce-scatter), or left ``Partial`` for keys
-    replicated over cp."""
-    if g.shape[seq] < total:
-        pad = [0, 0] * (g.dim() - 1 - seq) + [0, total - g.shape[seq]]
-        g = torch.nn.functional.pad(g, pad)
+    """This rank's part of the gradient of every key, summed over the cp group into each rank's
+    piece (a reduce-scatter), or left ``Partial`` for keys replicated over cp."""
     mesh = like.device_mesh
     if _shard_dim(like.placements[d]) == seq:
         g = funcol.reduce_scatter_single(g.contiguous(), "sum", seq, (mesh, d))
