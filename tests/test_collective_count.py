@@ -200,12 +200,17 @@ def _clip_count_job(style: str) -> dict:
             "kinds": {c.kind: c.count for c in entry_summary(step.last_compiled).collectives}}
 
 
-@pytest.mark.parametrize("style", ["fully_shard", "hybrid_shard"])
+@pytest.mark.parametrize("style", ["replicate", "fully_shard", "hybrid_shard"])
 def test_clipping_issues_one_all_reduce_for_the_norm(pool2, style):
     """clip_grad_norm_ over parameter shards completes the per-parameter norms with one
-    all_reduce of them stacked, not one per parameter (seven here)."""
+    all_reduce of them stacked, not one per parameter (seven here); over replicated gradients
+    (already averaged) the norm needs none: the step issues DDP's one gradient all_reduce."""
     counts = pool2.run(_clip_count_job, style)[0]
     kinds = counts["kinds"]
+    if style == "replicate":
+        assert kinds == {"all_reduce": 1} and counts["summary"] == 1, counts
+        assert counts["per_call"] == {"gloo:all_reduce": 1.0}, counts
+        return
     # hybrid_shard: the norm's on the shard dim (the gradients' all_reduce runs on the other)
     assert kinds["all_reduce" if style == "fully_shard" else "all_reduce (mesh dim 1)"] == 1, counts
     assert sum(counts["per_call"].values()) == counts["summary"], counts
