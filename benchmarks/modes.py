@@ -145,6 +145,60 @@ def _prepare_fsdp2(spec: ModelSpec, world_size: int) -> Runner:
     return Runner(lambda batch: train_step(model, optim, batch), model, optim)
 
 
+def _prepare_ddp_compile(spec: ModelSpec, world_size: int) -> Runner:
+    """``torch.compile(DDP(model))`` as users write it: Dynamo compiles the forward (and
+    AOTAutograd its backward) with Inductor, split at DDP's bucket boundaries (DDP's optimizer
+    for Dynamo) so each bucket's all_reduce still overlaps the backward; the optimizer step runs
+    eagerly. The first call and the warm-up steps compile (tens of seconds cold on CPU)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(spec.build())
+    compiled = torch.compile(ddp)
+    optim = spec.optim.build(ddp.parameters())
+    train_step = make_train_step(spec.loss_fn)
+    return Runner(lambda batch: train_step(compiled, optim, batch), ddp.module, optim,
+                  *_dynamo_compiles())
+
+
+def _prepare_fsdp2_compile(spec: ModelSpec, world_size: int) -> Runner:
+    """FSDP2 as ``fsdp2`` (each block, then the root), then ``torch.compile`` of the root
+    module's forward, as users write it: Dynamo traces through FSDP2's hooks (graph breaks where
+    it cannot) and Inductor compiles the pieces; the optimizer step runs eagerly."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = spec.build()
+    for block in [m for m in model.modules() if spec.is_block(m) and m is not model]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    compiled = torch.compile(model)
+    optim = spec.optim.build(model.parameters())
+    train_step = make_train_step(spec.loss_fn)
+    return Runner(lambda batch: train_step(compiled, optim, batch), model, optim,
+                  *_dynamo_compiles())
+
+
+def _dynamo_compiles() -> tuple[Callable[[], float | None], Callable[[], int | None]]:
+    """``Runner.compile_seconds`` and ``Runner.compiles`` of a torch.compile mode: the frames
+    Dynamo compiled in this process, and the seconds of those compiles not yet reported (each
+    frame's compile, then its backward's, which AOTAutograd compiles at the first backward)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    reported = 0.0
+
+    def total() -> float:
+        return sum(sum(compilation_time_metrics.get(k, ()))
+                   for k in ("_compile.compile_inner", "backward._backward_impl"))
+
+    def seconds() -> float:
+        nonlocal reported
+        new, reported = total() - reported, total()
+        return new
+
+    return seconds, lambda: len(compilation_time_metrics.get("_compile.compile_inner", ()))
+
+
 def _prepare_compute(spec: ModelSpec, world_size: int) -> Runner:
     """One rank's step alone, with the fused optimizer and the host-memory setting of ddp_tuned
     and spmd: the fastest single-device step, the bound every data-parallel mode is held to."""
@@ -435,6 +489,21 @@ def all_modes(spmd: list[Mode] | None = None) -> dict[str, Mode]:
             _prepare_fsdp2,
             _fsdp2_comm,
             "eager fully_shard per block, then root",
+            sharded=True,
+        ),
+        Mode(
+            "ddp_compile",
+            _prepare_ddp_compile,
+            _replicate_comm,
+            "torch.compile(DDP(model)): the forward and backward through Inductor, split at "
+            "DDP's buckets; the optimizer eager",
+        ),
+        Mode(
+            "fsdp2_compile",
+            _prepare_fsdp2_compile,
+            _fsdp2_comm,
+            "fsdp2, then torch.compile(model): the forward and backward through Inductor; the "
+            "optimizer eager",
             sharded=True,
         ),
         *(spmd_modes() if spmd is None else spmd),

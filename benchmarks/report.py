@@ -304,6 +304,8 @@ TARGETS = (
     ("replicate", "DDP", "ratio_to_ddp", TARGET_RATIO),
     ("replicate", "DDP + fused optimizer (ddp_tuned)", "ratio_to_ddp_tuned", 0.9),
     ("fully_shard", "FSDP2", "ratio_to_fsdp2", 0.6),
+    ("replicate", "DDP + torch.compile (ddp_compile)", "ratio_to_ddp_compile", 0.75),
+    ("fully_shard", "FSDP2 + torch.compile (fsdp2_compile)", "ratio_to_fsdp2_compile", None),
 )
 TARGET_SHARED_CORE = 1.10  # spmd replicate over compute + comm CPU, compute-bound models
 CACHED_CALL_MODEL = "simple_mlp_b32"  # the cached call whose CPU time is held against DDP's

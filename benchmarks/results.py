@@ -113,6 +113,8 @@ def add_comparisons(records: list[dict]) -> float | None:
         r["ratio_to_ddp"] = m / median["ddp"] if "ddp" in median else None
         r["ratio_to_ddp_tuned"] = m / median["ddp_tuned"] if "ddp_tuned" in median else None
         r["ratio_to_fsdp2"] = m / median["fsdp2"] if "fsdp2" in median else None
+        for ref in ("ddp_compile", "fsdp2_compile"):  # the torch.compile peers
+            r[f"ratio_to_{ref}"] = m / median[ref] if ref in median else None
         r["ratio_to_lower_bound"] = m / lower if lower else None
         r["ratio_to_shared_core_bound"] = m / shared if shared and not r["sharded"] else None
         r["cpu_ratio_to_ddp"] = r["cpu_ms_median"] / ddp_cpu if ddp_cpu else None

@@ -20,6 +20,11 @@ Two kinds of patch:
   - ``direct_op_calls``: the eager program's generated code calls each op overload's C++
     callable (``OpOverload._op``) instead of the overload's Python ``__call__``, which only
     forwards to it (``direct_op_calls``, used by runtime.program.CompiledGraph).
+  - ``below_autograd``: that code runs with autograd's dispatch keys excluded
+    (``torch._C._AutoDispatchBelowAutograd``): the program runs under ``no_grad`` and records
+    nothing, so each op's autograd kernel would only forward to the one below (the functional
+    collectives' ``wait_tensor`` through a Python kernel); version counters and views
+    (ADInplaceOrView) are kept.
   - ``block_reuse``: repeated blocks are recorded once and copied (spmd_compiler/trace/block_reuse.py,
     which uses make_fx's proxy slots and lazy size nodes through the functions here); also off
     with ``SPMD_NO_BLOCK_REUSE``.
@@ -187,12 +192,24 @@ def _probe_direct_op_calls() -> bool:
     return callable(getattr(op, "_op", None)) and "return self._op(*args, **kwargs)" in source
 
 
+def _probe_below_autograd() -> bool:
+    """Below autograd, an in-place op still bumps the version counter and a view knows its
+    base (ADInplaceOrView runs), and nothing records a gradient."""
+    t = torch.zeros(4, requires_grad=True)
+    with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+        u = t.mul(2)
+        view = u[1:]
+        u.add_(1)
+    return u._version == 1 and view._base is u and u.grad_fn is None and not u.requires_grad
+
+
 OPTIONAL: dict[str, Callable[[], bool]] = {
     "symnode_memo": _probe_symnode_memo,
     "free_symbols_memo": _probe_free_symbols_memo,
     "no_tensor_meta": _probe_no_tensor_meta,
     "size_oblivious_reshape": _probe_size_oblivious_reshape,
     "direct_op_calls": _probe_direct_op_calls,
+    "below_autograd": _probe_below_autograd,
     "block_reuse": lambda: _probe_block_reuse(),
 }
 
@@ -1030,7 +1047,16 @@ def direct_op_calls(run: Callable) -> Callable:
         return run
     namespace = dict(fn.__globals__, torch=_DirectOps(torch))
     fast = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    if enabled("below_autograd"):
+        return functools.partial(_below_autograd, fast, owner)
     return functools.partial(fast, owner)
+
+
+def _below_autograd(fn: Callable, *args):
+    """``fn(*args)`` with autograd's dispatch keys excluded (the optional patch
+    ``below_autograd``; the caller runs it under ``no_grad``)."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return fn(*args)
 
 
 def sympy_python(expr) -> str:

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.multirank  # real gloo ranks, in a subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 ABLATION = "spmd_replicate-no_bucketing"
-MODES = ["ddp", "fsdp2", "spmd_replicate", ABLATION, "compute", "comm"]
+MODES = ["ddp", "fsdp2", "ddp_compile", "fsdp2_compile", "spmd_replicate", ABLATION, "compute",
+         "comm"]
 WORLD = 2
 
 
@@ -123,10 +124,21 @@ def test_memory(by_mode):
 
 def test_parity(by_mode):
     assert by_mode["ddp"]["parity_max_abs_diff"] == 0.0
-    for mode in ("fsdp2", "spmd_replicate", ABLATION):
+    for mode in ("fsdp2", "ddp_compile", "fsdp2_compile", "spmd_replicate", ABLATION):
         assert by_mode[mode]["parity_max_abs_diff"] < 1e-5, mode
     for mode in ("compute", "comm"):
         assert by_mode[mode]["parity_max_abs_diff"] is None
+
+
+def test_torch_compile_peers(by_mode):
+    """DDP and FSDP2 under torch.compile: Dynamo compiled their forward before the timed steps,
+    and the spmd modes are held against them."""
+    for mode in ("ddp_compile", "fsdp2_compile"):
+        r = by_mode[mode]
+        assert r["compiles"] >= 1 and r["compile_s"] > 0 and r["compiles_while_timed"] == 0, r
+    assert by_mode["spmd_replicate"]["ratio_to_ddp_compile"] == pytest.approx(
+        by_mode["spmd_replicate"]["step_ms"]["median"] / by_mode["ddp_compile"]["step_ms"]["median"])
+    assert by_mode["fsdp2_compile"]["ratio_to_fsdp2_compile"] == pytest.approx(1.0)
 
 
 def test_ablation(by_mode):

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..errors import SPMDError
 from ..features.subclass_params import extension_key
 from ..features.tensor_parallel import graph_inputs
-from ..state.module_walk import tensors, walk
+from ..state.module_walk import ModuleWalk, tensors, walk
 from ..state.placement import communication_failures
 from ..torch_internals import pytree
 from .agreement import (
@@ -46,13 +46,16 @@ class Call(NamedTuple):
     dp_mesh: Any
     hparams: list[float]
     key: tuple  # step_key
+    tree: ModuleWalk | None = None  # the module tree the key was read from (None: read again)
 
     @classmethod
     def of(cls, sa: StepArgs, dp_mesh, accumulation: Any) -> "Call":
         """This call's key, learning rates and graph inputs; ``accumulation``: the step's
-        gradient-accumulation mode (part of the key)."""
-        key = step_key(sa, accumulation)
-        return cls(sa, graph_inputs(sa), dp_mesh, lifted_hparams(sa), key)
+        gradient-accumulation mode (part of the key). The key's walk over the module tree is
+        kept for the program to bind parameters and buffers by name without walking again."""
+        tree = walk(sa.module)
+        key = step_key(sa, accumulation, tree)
+        return cls(sa, graph_inputs(sa), dp_mesh, lifted_hparams(sa), key, tree)
 
     def fits(self, entry: CompiledGraph) -> bool:
         return entry.static_key == self.key and entry.guards_hold(self.inputs, self.hparams)
@@ -97,8 +100,10 @@ def agree_and_run(programs: list[CompiledGraph], carrier, call: Call, group, cho
 
 def run(entry: CompiledGraph, call: Call, grads: dict, fn: Callable):
     """Run ``entry`` for ``call`` (``grads``: the step's accumulated gradients), then the
-    step's replayed Python statements; the step's output."""
-    out = run_program(entry, call, grads)
+    step's replayed Python statements; the step's output. The call's walk binds only a program
+    of its key: compiling may have placed new parameters."""
+    out = run_program(entry, call if call.key == entry.static_key else call._replace(tree=None),
+                      grads)
     run_after(fn, entry.traced.replay, call.sa)  # the step's Python state changes
     return out
 
@@ -106,7 +111,7 @@ def run(entry: CompiledGraph, call: Call, grads: dict, fn: Callable):
 def run_program(entry: CompiledGraph, call: Call, grads: dict, agreement=None):
     """The program's output for ``call`` (``agreement``: the per-call agreement in flight)."""
     with torch.no_grad():
-        return entry(call.sa, call.dp_mesh, call.hparams, grads, agreement)
+        return entry(call.sa, call.dp_mesh, call.hparams, grads, agreement, call.tree)
 
 
 def refuse_call(carrier, mesh, args: tuple, kwargs: dict, programs: int, error: Exception) -> None:
@@ -149,17 +154,18 @@ def _hashable(x: Any) -> Any:
         return ("id", id(x))
 
 
-def step_key(sa: StepArgs, accumulation: Any = None) -> tuple:
+def step_key(sa: StepArgs, accumulation: Any = None, tree: ModuleWalk | None = None) -> tuple:
     """Everything a compiled graph depends on besides the input sizes (which its guards check).
 
     Named components, so a recompile can say what changed. Read on every call: one walk over
-    the module tree (state/module_walk.py). ``accumulation``: the step's gradient-accumulation
-    mode.
+    the module tree (state/module_walk.py; ``tree``: that walk, when already made).
+    ``accumulation``: the step's gradient-accumulation mode.
     """
     module = sa.module
-    tree = walk(module)
-    params = tuple((id(p), tuple(p.shape), p.dtype, p.requires_grad) for _, p in tree.params)
-    buffers = tuple((id(b), tuple(b.shape), b.dtype) for _, b in tree.buffers)
+    tree = walk(module) if tree is None else tree
+    # shapes as torch.Size (a tuple, equal to one): no copy per tensor on every call
+    params = tuple((id(p), p.shape, p.dtype, p.requires_grad) for _, p in tree.params)
+    buffers = tuple((id(b), b.shape, b.dtype) for _, b in tree.buffers)
     training = tuple(m.training for m in tree.modules)
     optim = []
     for opt in sa.optimizers:
@@ -215,8 +221,13 @@ def module_device(module: torch.nn.Module, inputs=()) -> torch.device:
     return torch.device("cpu")
 
 
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def is_plain(v: Any) -> bool:
     """A value a program may hold as a constant and a guard compares by equality."""
+    if type(v) in _PLAIN_TYPES:  # the common case, read for every optimizer setting per call
+        return True
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes, enum.Enum)):
         return not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
     return type(v) is tuple and len(v) <= 16 and all(is_plain(x) for x in v)

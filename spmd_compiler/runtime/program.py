@@ -27,6 +27,7 @@ from ..state.placement import (
 )
 from .signature import StepSignature, TracedStep
 from .step_modules import modules_of
+from ..state.module_walk import ModuleWalk
 from ..features.subclass_params import inner_tensors
 from ..torch_internals import direct_op_calls, mark_stepped, pytree
 @dataclass
@@ -92,16 +93,18 @@ class CompiledGraph:
         return hparams + self.values.lifted_values()
 
     def __call__(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
-                 accumulated: dict[str, torch.Tensor] | None = None, agreement=None) -> Any:
+                 accumulated: dict[str, torch.Tensor] | None = None, agreement=None,
+                 tree: ModuleWalk | None = None) -> Any:
         """Run the graph on the live state of ``sa``; ``hparams`` = ``lifted_hparams(sa)``.
         ``accumulated`` holds the gradients of a graph that takes (``grads_in``) or returns
         (``grads_out``) them (spmd_compiler/features/accumulation.py); updated in place. ``agreement``:
         the per-call agreement in flight, for a graph that completes it itself
-        (``checks_ranks_inside``; agreement.agreement_in_flight)."""
+        (``checks_ranks_inside``; agreement.agreement_in_flight). ``tree``: this call's walk
+        over ``sa.module`` (dispatch.step_key's), whose first names are the signature's."""
         sig = self.traced.signature
-        params = _named_unique(sa.module.named_parameters(remove_duplicate=False))
+        params, buffers = _named(sa.module, tree)
         numbers = self.with_lifted(hparams)
-        flat = self._bind(sa, mesh, numbers, accumulated, params)
+        flat = self._bind(sa, mesh, numbers, accumulated, params, buffers)
         flat += WORKSPACES.buffers(sig.workspaces)
         if self.checks_ranks_inside:
             flat.append(agreement)
@@ -131,10 +134,10 @@ class CompiledGraph:
         return pytree.tree_unflatten(leaves, self.traced.out_spec)
 
     def _bind(self, sa: StepArgs, mesh: DeviceMesh, hparams: list[float],
-              accumulated: dict[str, torch.Tensor] | None, params: dict[str, torch.Tensor]) -> list:
+              accumulated: dict[str, torch.Tensor] | None, params: dict[str, torch.Tensor],
+              buffers: dict[str, torch.Tensor]) -> list:
         """The graph's flat inputs, in the signature's order, from the live state."""
         sig = self.traced.signature
-        buffers = _named_unique(sa.module.named_buffers(remove_duplicate=False))
         flat: list[Any] = [x for n in sig.params for x in inner_tensors(local_buffer(params[n]))]
         flat += [buffers[n] for n in sig.buffers]
         state_of = {}
@@ -228,5 +231,10 @@ def retain_host_memory() -> bool:
     return _retained
 
 
-def _named_unique(named) -> dict[str, torch.Tensor]:
-    return {n: t for n, t in named}
+def _named(module: torch.nn.Module, tree: ModuleWalk | None) -> tuple[dict, dict]:
+    """``module``'s parameters and buffers by name: from ``tree`` (each tensor under its first
+    name, the name the recording gave it: trace/record.py) when given, else by every name."""
+    if tree is not None:
+        return dict(tree.params), dict(tree.buffers)
+    return ({n: t for n, t in module.named_parameters(remove_duplicate=False)},
+            {n: t for n, t in module.named_buffers(remove_duplicate=False)})
