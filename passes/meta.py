@@ -48,6 +48,9 @@ MODEL_PARALLEL = "spmd_model_parallel"
 # Written by the tracer on the issue node of such a collective: (mesh dim name, placement before,
 # placement after) along the plan's mesh dim, e.g. ("tp", "P(sum)", "R") for an all_reduce.
 PLAN_PLACEMENT = "spmd_plan_placement"
+# Written by the tracer on the PARAM placeholder of a parameter a plan placed (tensor or context
+# parallelism): tuple of (mesh dim name, placement) along the plan's dims, for the summary.
+PARAM_PLAN = "spmd_param_plan"
 
 # Written by passes/batch_dim.py (placement propagation).
 # Placement for a tensor; list[Placement | None] for a multi-output node or a void foreach/fused

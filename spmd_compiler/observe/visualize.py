@@ -28,7 +28,8 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from spmd_compiler.passes.memory_plan import lifetimes
 from spmd_compiler.passes.expand import collective_dim
 from spmd_compiler.passes.meta import (
-    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, MESH_SIZES, NOTES, PARAM_FQN, PLACEMENT,
+    BUCKET, COLLECTIVE, GATHERED, INPUT_PATH, KEPT_GRADS, MESH_DIMS, MESH_SIZES, NOTES, PARAM_FQN, PARAM_PLAN,
+    PLACEMENT,
     PLAN_DIMS, PLAN_PLACEMENT, REGION, ROLE, STATE_KEY, WORKSPACES, Role,
 )
 
@@ -982,6 +983,8 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
             placement = dtensor_str(n.meta.get(PLACEMENT))
             if several_dims:  # the outer dims of a data-parallel mesh replicate
                 placement = f"({', '.join(['Replicate()'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
+            if n.meta.get(PARAM_PLAN):  # and a plan's dims (tensor, context parallelism)
+                placement += "".join(f", {dim}: {p}" for dim, p in n.meta[PARAM_PLAN])
             params.append(ParamStat(
                 fqn, placement, tuple(sizer.size(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))

@@ -907,8 +907,13 @@ def _annotate(gm, signature: StepSignature, sa: StepArgs, grad_nodes, dynamic_di
     them) and grads; REGION on all."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params, buffers, states, hparams, rest = split_inputs(placeholders, signature.input_groups)
+    live = dict(sa.module.named_parameters(remove_duplicate=False))
     for n, fqn in zip(params, subclasses.per_placeholder(signature.params, signature.param_flats)):
         n.meta.update({meta.ROLE: meta.Role.PARAM, meta.PARAM_FQN: fqn})
+        plan = tp.plan_of(live[fqn]) if fqn in live else None
+        if plan is not None:
+            names = plan.spec.mesh.mesh_dim_names or tuple(f"tp{d}" for d in range(plan.spec.mesh.ndim))
+            n.meta[meta.PARAM_PLAN] = tuple(zip(names, map(repr, plan.spec.placements)))
     for n, fqn in zip(buffers, signature.buffers):
         n.meta.update({meta.ROLE: meta.Role.BUFFER, meta.PARAM_FQN: fqn})
     for n, (fqn, k) in zip(states, subclasses.per_placeholder(signature.states,
