@@ -239,8 +239,7 @@ def _sequence_sharded(sa: StepArgs, mesh, mode: DataParallel) -> StepArgs:
     if not sa.seq_dims and context_parallel.cp_mesh(mesh) is None:
         return sa
     context_parallel.check(mode, mesh)
-    leaves = context_parallel.shard_inputs(sa.leaves, sa.input_indices, sa.seq_dims, mesh,
-                                           sa.batch_dims)
+    leaves = context_parallel.shard_inputs(sa.leaves, sa.input_indices, sa.seq_dims, mesh)
     context_parallel.place_parameters(sa.module, sa.optimizers, mesh)  # (after the checks)
     return dataclasses.replace(sa, leaves=leaves)
 

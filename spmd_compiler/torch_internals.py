@@ -900,21 +900,20 @@ def implicit_replication():
 
 @contextlib.contextmanager
 def guarded_split_factors():
-    """DTensor's view rule refuses a ``_StridedShard`` whose split factor is a backed size symbol
-    (flattening ``(b, t)`` with ``t`` sharded: the factor is the batch ``b``). Inside the block it
-    takes the symbol's value and adds the guard ``Eq(b, value)`` to the ShapeEnv, without
-    replacing the symbol (the batch stays a symbol for the placement analysis; another batch size
-    recompiles)."""
+    """DTensor's view rules on a symbolic batch size ``b``, made to see its value, guarded (the
+    batch stays a symbol for the placement analysis; another batch size recompiles):
+
+    - flattening ``(b, t)`` with ``t`` sharded needs a ``_StridedShard`` split factor, which the
+      rule refuses to take from a backed symbol: it takes the value, with ``Eq(b, value)``;
+    - a batch of one is the rule's singleton dim (as a static size 1 is), with ``Eq(b, 1)``:
+      else ``(1, t)`` flattens to a ``_StridedShard`` of split factor ``b``, laid out wrongly."""
     import torch.distributed.tensor._ops._view_ops as view_ops
     from torch._guards import ShapeGuard
     from torch.fx.experimental import symbolic_shapes
 
-    own = view_ops._explicit_unbacked_hint
+    own_hint, own_groups = view_ops._explicit_unbacked_hint, view_ops.view_groups
 
-    def hint(value):
-        found = own(value)
-        if found is not None or not isinstance(value, torch.SymInt):
-            return found
+    def guarded(value) -> int | None:
         node = value.node
         env = getattr(node, "shape_env", None)
         if env is None or node.hint is None:
@@ -923,11 +922,24 @@ def guarded_split_factors():
         env.guards.append(ShapeGuard(equal, env._get_sloc(), False))
         return int(node.hint)
 
-    view_ops._explicit_unbacked_hint = hint
+    def hint(value):
+        found = own_hint(value)
+        if found is not None or not isinstance(value, torch.SymInt):
+            return found
+        return guarded(value)
+
+    def ones(sizes):
+        return [1 if isinstance(s, torch.SymInt) and s.node.hint == 1 and guarded(s) == 1 else s
+                for s in sizes]
+
+    def view_groups(from_size, to_size):
+        return own_groups(ones(from_size), ones(view_ops.normalize_sizes(to_size)))
+
+    view_ops._explicit_unbacked_hint, view_ops.view_groups = hint, view_groups
     try:
         yield
     finally:
-        view_ops._explicit_unbacked_hint = own
+        view_ops._explicit_unbacked_hint, view_ops.view_groups = own_hint, own_groups
 
 
 def strided_shard(dim: int, split_factor: int):

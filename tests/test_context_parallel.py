@@ -261,7 +261,7 @@ def test_hugging_face_llama_with_labels_trains_as_one_device(pool2):
 
 def _batch_change_and_eval():
     """Another batch size recompiles (the flattened sequence's split depends on it) and trains
-    right; the model evaluated outside the step is one device's."""
+    right, a batch of one row too; the model evaluated outside the step is one device's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from spmd_compiler import DataParallel, spmd_compile
@@ -275,7 +275,7 @@ def _batch_change_and_eval():
     step = spmd_compile(DataParallel("replicate", input_seq_dim=(1, 1)), mesh=mesh)(targets_step)
     chk = ParityChecker(rtol=1e-4, atol=5e-5)  # AdamW at lr 1e-2 turns round-off of near-zero
     # gradients (attention merged over key blocks) into updates of up to ~1e-5
-    for i, batch in enumerate([2, 2, 3, 2]):
+    for i, batch in enumerate([2, 2, 3, 1, 2]):
         ids, targets = _rows(i, 0, batch, 16)
         loss = step(model, opt, ids, targets)
         chk.close("loss", f"step {i} loss", loss.detach(), targets_step(ref, ref_opt, ids, targets))
@@ -288,7 +288,7 @@ def _batch_change_and_eval():
 
 def test_a_new_batch_size_recompiles_and_the_model_evaluates_outside_the_step(pool2):
     reps = run_without_problems(pool2, _batch_change_and_eval)
-    assert [r["compiles"] for r in reps] == [2, 2], reps
+    assert [r["compiles"] for r in reps] == [3, 3], reps
 
 
 def test_explain_names_the_exchanged_keys_and_values_on_the_cp_dim():
@@ -380,7 +380,6 @@ def _refusals():
         targets_step))
     step = spmd_compile(DataParallel("replicate", input_seq_dim=1), mesh=mesh)(targets_step)
     refused("uneven", lambda: step(model, opt, ids[:, :15], targets[:, :15]))
-    refused("one row", lambda: step(model, opt, ids[:1], targets[:1]))
     planned = TinyGPT("sdpa")
     distribute_module(planned, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     refused("plan", lambda: step(planned, torch.optim.AdamW(planned.parameters()), ids, targets))
@@ -394,6 +393,5 @@ def test_what_context_parallelism_cannot_run_is_refused_by_name(pool2):
     assert "mesh dim named 'cp'" in rep["no cp dim"], rep
     assert "input_seq_dim" in rep["no input_seq_dim"], rep
     assert "length 15" in rep["uneven"] and "pad" in rep["uneven"], rep
-    assert "one sequence" in rep["one row"], rep
     assert "tensor-parallel plan" in rep["plan"], rep
     assert rep["untouched"], rep

@@ -103,8 +103,7 @@ def _made_here(p: DTensor) -> bool:
     return getattr(p, "_spmd_context", False) or (plan is not None and plan.context)
 
 
-def shard_inputs(leaves: list, input_indices: list[int], seq_dims: list, mesh,
-                 batch_dims: list | None = None) -> list:
+def shard_inputs(leaves: list, input_indices: list[int], seq_dims: list, mesh) -> list:
     """``leaves`` with every input that has a sequence dim replaced by a DTensor ``Shard(seq)``
     on the cp dim around this rank's contiguous piece of it, every other input by a DTensor
     ``Replicate()`` (a plain tensor of a symbolic batch size cannot meet a DTensor)."""
@@ -119,13 +118,6 @@ def shard_inputs(leaves: list, input_indices: list[int], seq_dims: list, mesh,
             out[i] = DTensor.from_local(t, cp, [Replicate()], run_check=False)
             continue
         n = t.shape[d]
-        b = (batch_dims or [None] * len(input_indices))[input_indices.index(i)]
-        if b is not None and t.shape[b] == 1:
-            raise ContextParallelError(
-                f"an input of shape {tuple(t.shape)} holds one sequence (batch dim {b} of size "
-                f"1): context parallelism needs at least 2 rows per data-parallel rank for now "
-                f"(DTensor's view rule lays out a symbolic batch of one wrongly, and the step "
-                f"would train wrong); pass 2 or more rows")
         if n % size:
             raise ContextParallelError(
                 f"an input of shape {tuple(t.shape)} has sequence dim {d} of length {n}, which "
