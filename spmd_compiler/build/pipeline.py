@@ -253,8 +253,8 @@ STAGES: list[Stage] = [
     Stage("recompute", _recompute, "activations recomputed in the backward (passes/recompute.py)",
           when="activation_memory_budget is set",
           applies=lambda o: o.mode.activation_memory_budget is not None),
-    Stage("expanded", _expand, "functional collectives per mesh dim, then placements again "
-          "(passes/expand.py, replicate.py, fully_shard.py)"),
+    Stage("expanded", _expand, "functional collectives per mesh dim, then the placements of what "
+          "they changed (passes/expand.py, replicate.py, fully_shard.py)"),
     Stage("grad_outputs", _grad_outputs, "averaged gradients returned for p.grad "
           "(passes/grad_outputs.py)", when="keep_grads", applies=lambda o: o.mode.keep_grads),
     Stage("dead_code", lambda gm, b: eliminate_dead_code(gm), "dead code removed "
