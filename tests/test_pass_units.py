@@ -610,3 +610,19 @@ def _mse_step(model, optim, batch):
     x, y = batch
     torch.nn.functional.mse_loss(model(x), y).backward()
     optim.step()
+
+
+@pytest.mark.parametrize("shape", [(5,), (7, 3), (4, 0, 2), (3, 1, 5), (1,)])
+def test_shard_val_equals_new_empty(shape):
+    """fully_shard's shard value, made without fake dispatch, is what ``new_empty`` makes in
+    fake mode: shape, strides, dtype, device, grad flag and fake mode."""
+    from spmd_compiler.passes.fully_shard import shard_rows, shard_val
+
+    mode = FakeTensorMode()
+    with mode:
+        val = torch.empty(shape, dtype=torch.bfloat16)
+    made = shard_val(val, 2)
+    want = val.new_empty((shard_rows(shape[0], 2),) + shape[1:])
+    describe = lambda t: (type(t), t.fake_mode, tuple(t.shape), t.stride(), t.storage_offset(),  # noqa: E731
+                          t.dtype, t.device, t.requires_grad)
+    assert made is not val and describe(made) == describe(want)
