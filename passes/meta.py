@@ -56,6 +56,7 @@ PLAN_PLACEMENT = "spmd_plan_placement"
 PLACEMENT = "spmd_placement"
 # GraphModule.meta: dict[node, tuple], what each node's PLACEMENT was derived from (its op,
 # arguments, value and inputs' placements); a later analysis reuses the placements it still fits.
+# The pipeline drops it after the expansion's analysis.
 PLACEMENT_INPUTS = "spmd_placement_inputs"
 
 # Written by the expansion passes (replicate / fully_shard) and the optimizers of collectives.

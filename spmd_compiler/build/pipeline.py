@@ -203,7 +203,10 @@ def _expand(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
     except ShardingError as e:
         raise UnsupportedError(str(e)) from e
     b.signature = dataclasses.replace(b.signature, sharded_states=_sharded(b.options))
-    return gm if _exact(b) else analyze(gm)
+    if not _exact(b):
+        gm = analyze(gm)  # derives only what the expansion changed (passes/batch_dim.py)
+    gm.meta.pop(meta.PLACEMENT_INPUTS, None)  # no later stage reads it: the graph keeps no copy
+    return gm
 
 
 def _grad_outputs(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
