@@ -56,7 +56,9 @@ from torch.fx.operator_schemas import normalize_function
 
 from spmd_compiler.torch_internals import OpOverload, _NormPartial, _StridedShard, detect_fake_mode
 
-from .meta import INPUT_BATCH_DIM, LOCAL_SHARD, MODEL_PARALLEL, PLACEMENT, ROLE, Role
+from .meta import (
+    INPUT_BATCH_DIM, LOCAL_SHARD, MODEL_PARALLEL, PLACEMENT, PLACEMENT_INPUTS, ROLE, Role,
+)
 
 __all__ = ["PlacementError", "annotate_placements"]
 
@@ -131,6 +133,21 @@ def _arguments(node: fx.Node) -> dict[str, Any] | None:
 
 def _split_factor(p: Placement):
     return p.split_factor if isinstance(p, _StridedShard) else 1
+
+
+def _same(a, b) -> bool:
+    """Are two reuse keys' parts equal? Placements and plain values by value, containers item
+    by item, anything else (a node, a tensor, an argument tuple) by identity: no comparison
+    that could add a guard on a symbolic size."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, (Placement, bool, int, float, str)):
+        return a == b
+    return False
 
 
 class _Analysis:
@@ -229,6 +246,14 @@ class _Analysis:
                 out.append((n.meta["val"], p))
         return out
 
+    # -- reuse -----------------------------------------------------------------------------
+
+    def rebind_unbacked(self, node: fx.Node) -> None:
+        """What ``node_placement`` records besides the placement (unbacked symbols' kinds), for
+        a node whose placement is reused."""
+        if node.op == "call_function" and node.meta.get("unbacked_bindings"):
+            self._bind_unbacked(node, self.inputs(node, (node.args, node.kwargs)))
+
     # -- rules -----------------------------------------------------------------------------
 
     def node_placement(self, node: fx.Node):
@@ -263,27 +288,32 @@ class _Analysis:
             return [self.output(node, name, v, ins) if _is_tensor(v) else None for v in val]
         return None  # a Python number (sym_size, item) or nothing
 
-    def record_mutations(self, node: fx.Node) -> None:
-        """An in-place op gives the tensors it writes a new placement for their later readers."""
+    def record_mutations(self, node: fx.Node) -> dict[fx.Node, Any]:
+        """An in-place op gives the tensors it writes a new placement for their later readers;
+        returns those (written node -> placement)."""
         schema = getattr(node.target, "_schema", None)
         if schema is None or not schema.is_mutable:
-            return
+            return {}
         name = _op_name(node.target)
         if getattr(node.target, "namespace", None) == _COLLECTIVE_NS:
-            self.current[node.args[0]] = self.env[node]  # an in-place collective (all_reduce_)
-            return
+            wrote = {node.args[0]: self.env[node]}  # an in-place collective (all_reduce_)
+            self.current.update(wrote)
+            return wrote
         per_index = self.env[node] if name.startswith(("_foreach_", "_fused_")) else None
         ins = None
+        wrote = {}
         for arg, value in zip(schema.arguments, node.args):
             if not (arg.alias_info and arg.alias_info.is_write) or value is None:
                 continue
             if per_index is not None:
+                wrote.update(zip(value, per_index))
                 self.current.update(zip(value, per_index))
                 continue
             if ins is None:
                 ins = self.inputs(node, (node.args, node.kwargs))
             for written in value if isinstance(value, (list, tuple)) else [value]:
-                self.current[written] = self.output(node, name, written.meta["val"], ins)
+                wrote[written] = self.current[written] = self.output(node, name, written.meta["val"], ins)
+        return wrote
 
     def placeholder(self, node: fx.Node):
         val = node.meta.get("val")
@@ -509,13 +539,38 @@ def annotate_placements(gm: fx.GraphModule) -> fx.GraphModule:
     Writes: PLACEMENT on every node: a Placement for a tensor value; a list (one entry per element,
     None for non-tensors) for a list/tuple of tensors, and for a foreach/fused in-place op the
     placement of what it writes at each list index; None for non-tensor nodes.
+    ``gm.meta[PLACEMENT_INPUTS]``: per node, what its placement was derived from and the
+    placement. A later run on the same graph (after the expansion) reuses the placement of every
+    node whose argument tuples and value are the same objects (a pass that changes them makes
+    new ones) and none of whose inputs changed (a new node, a new value, another placement, or
+    another placement written by an in-place op); it derives only the others: the nodes the
+    expansion inserted and those downstream of a change.
     Raises: ``PlacementError`` only for what the expansion would get wrong (see the module
     docstring); then no node is annotated.
     """
     analysis = _Analysis(gm)
+    before = gm.meta.get(PLACEMENT_INPUTS) or {}
+    record: dict[fx.Node, tuple] = {}
+    changed: set[fx.Node] = set()
+    env = analysis.env
     for node in gm.graph.nodes:
-        analysis.env[node] = analysis.node_placement(node)
-        analysis.record_mutations(node)
-    for node, p in analysis.env.items():
+        val = node.meta.get("val")
+        syms = (len(analysis.batch_syms), len(analysis.local_syms))
+        old = before.get(node)
+        if (old is not None and node.op != "placeholder" and old[0] is node.args
+                and old[1] is node.kwargs and old[2] is val and old[4] == syms
+                and not any(n in changed for n in node.all_input_nodes)):
+            env[node] = old[3]
+            analysis.rebind_unbacked(node)
+        else:
+            env[node] = analysis.node_placement(node)
+            if old is None or old[2] is not val or not _same(old[3], env[node]):
+                changed.add(node)
+        writes = analysis.record_mutations(node)
+        if writes and (old is None or not _same(list(writes.items()), list(old[5].items()))):
+            changed.update(writes)
+        record[node] = (node.args, node.kwargs, val, env[node], syms, writes)
+    for node, p in env.items():
         node.meta[PLACEMENT] = p
+    gm.meta[PLACEMENT_INPUTS] = record
     return gm

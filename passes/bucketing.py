@@ -299,7 +299,7 @@ def _pieces(flat, dim: int, sizes: list[int], shapes: list, reshape) -> list:
 def _shaped(piece, shape: list, reshape):
     """``reshape(piece, shape)``, or ``piece`` when it has that shape already (a bias's, a norm
     weight's): the lowering drops such an identity view anyway (passes/identity_views.py), and
-    each op inserted here costs a fake-tensor op per parameter. (A member's flattening
+    each op inserted here costs a meta kernel call per parameter. (A member's flattening
     ``reshape`` stays: the eager lowering produces the gradient into the bucket through it,
     passes/inplace.py.)"""
     return piece if list(piece.shape) == list(shape) else reshape(piece, shape)

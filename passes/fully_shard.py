@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from spmd_compiler.torch_internals import new_fake
+
 from . import meta
 from .subgraph import insert_traced
 from .collectives import aten, c10d, collective_meta, finish_reduction, mutates, to_dtype, waited
@@ -44,9 +46,24 @@ def shard_rows(n: int, world: int) -> int:
 
 
 def shard_val(val: torch.Tensor, world: int) -> torch.Tensor:
-    """A fake tensor of the padded local shard's shape."""
+    """A fake tensor of the padded local shard's shape (what ``val.new_empty`` makes; of static
+    sizes without fake mode's dispatch, whose cache misses on every new shape)."""
     shape = (shard_rows(val.shape[0], world),) + tuple(val.shape[1:])
+    if all(type(d) is int for d in shape):
+        new = new_fake(getattr(val, "fake_mode", None), shape, _contiguous_strides(shape),
+                       val.dtype, val.device)
+        if new is not None:
+            return new
     return val.new_empty(shape)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides, as ``empty`` gives them (a dim of size 0 counts as 1)."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _first(nodes, order: dict, graph: fx.Graph):

@@ -57,6 +57,10 @@ PARAM_PLAN = "spmd_param_plan"
 # in-place op (one per list index); None for non-tensors. Shard(d) | Replicate() | Partial("avg");
 # over fully_shard parameter shards also Partial("sum"/"max"/"min") / _NormPartial(p).
 PLACEMENT = "spmd_placement"
+# GraphModule.meta: dict[node, tuple], what each node's PLACEMENT was derived from (its op,
+# arguments, value and inputs' placements); a later analysis reuses the placements it still fits.
+# The pipeline drops it after the expansion's analysis.
+PLACEMENT_INPUTS = "spmd_placement_inputs"
 
 # Written by the expansion passes (replicate / fully_shard) and the optimizers of collectives.
 # tuple[int, ...]: a parameter shard's unsharded shape, on shard nodes while the expansion runs

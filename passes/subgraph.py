@@ -19,6 +19,12 @@ collective's: a new tensor of its recorded metadata, which its meta function der
 arguments' metadata alone). A function
 whose key cannot be formed from plain values (a closure holding a tensor or a node, ...) is
 recorded every time.
+
+The plain ops passes insert (reshapes, views, slices, ``cat``, division, padding and the
+functional collectives) on statically shaped values get their values from the op's meta kernel,
+as fake mode computes them, without fake mode's dispatch around it
+(torch_internals.meta_kernel_value): a bucket's copies and pieces, a fake op per parameter, cost
+a tenth of the fake call. Any other op, or a symbolic size, runs in fake mode.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from spmd_compiler.torch_internals import FakeTensor, FakeTensorMode, OpOverload, pytree
+from spmd_compiler.torch_internals import (
+    FakeTensor, FakeTensorMode, OpOverload, meta_kernel_value, new_fake, pytree,
+)
 
 from . import meta
 
@@ -150,9 +158,9 @@ class _OperatorRecorder(TorchFunctionMode):
     function, an in-place or multi-output op, a symbolic size in an argument) raises
     ``_Unrecordable``."""
 
-    def __init__(self, graph: fx.Graph, known: dict[int, tuple[torch.Tensor, fx.Node]]):
+    def __init__(self, graph: fx.Graph, known: dict[int, tuple[torch.Tensor, fx.Node]], fake_mode):
         super().__init__()
-        self.graph, self.known = graph, known
+        self.graph, self.known, self.fake_mode = graph, known, fake_mode
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -164,7 +172,7 @@ class _OperatorRecorder(TorchFunctionMode):
                 raise _Unrecordable(func)
             return out
         if func._schema.is_mutable or not isinstance(
-                out := func(*args, **kwargs), torch.Tensor) or id(out) in self.known:
+                out := _value(func, args, kwargs, self.fake_mode), torch.Tensor) or id(out) in self.known:
             raise _Unrecordable(func)
         node_args, node_kwargs = pytree.tree_map(self._arg, _as_dispatched(func, args, kwargs))
         node = self.graph.create_node("call_function", func, tuple(node_args), node_kwargs,
@@ -221,7 +229,7 @@ def _recorded_by_ops(fn: Callable, vals: list, fake_mode) -> fx.Graph | None:
         node.meta["val"] = v
         known[id(v)] = (v, node)
     try:
-        with fake_mode, _OperatorRecorder(graph, known) as recorder:
+        with fake_mode, _OperatorRecorder(graph, known, fake_mode) as recorder:
             out = fn(*vals)
         graph.output(pytree.tree_map(recorder._arg, out))
     except _Unrecordable:
@@ -255,10 +263,11 @@ def _rerun(node: fx.Node, values: dict):
     its recorded one (equal arguments' metadata: an equal result, at a fraction of the
     collective's fake dispatch), any other op's is what ``_run`` computes."""
     recorded = node.meta["val"]
-    if node.target in _NEW_TENSOR_OPS and isinstance(recorded, torch.Tensor) and all(
-            type(d) is int for d in (*recorded.shape, *recorded.stride(), recorded.storage_offset())):
-        return torch.empty_strided(recorded.shape, recorded.stride(), dtype=recorded.dtype,
-                                   device=recorded.device)
+    if node.target in _NEW_TENSOR_OPS and isinstance(recorded, torch.Tensor) and _static(recorded):
+        new = new_fake(getattr(recorded, "fake_mode", None), recorded.shape, recorded.stride(), recorded.dtype,
+                       recorded.device)
+        return new if new is not None else torch.empty_strided(
+            recorded.shape, recorded.stride(), dtype=recorded.dtype, device=recorded.device)
     return _run(node, values)
 
 
@@ -268,8 +277,36 @@ def _run(node: fx.Node, values: dict):
     tensor; a result that is one of the arguments is detached)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
     given = {id(v) for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)}
-    out = node.target(*args, **kwargs)
+    fake_mode = next((v.fake_mode for v in values.values() if isinstance(v, FakeTensor)), None)
+    out = _value(node.target, args, kwargs, fake_mode)
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach() if id(t) in given else t, out)
+
+
+# ops whose fake value is their meta kernel's (no fake implementation of their own, no
+# constant propagation on graph values, no data-dependent size)
+_META_OPS = {torch.ops.aten.reshape.default, torch.ops.aten.view.default,
+             torch.ops.aten.slice.Tensor, torch.ops.aten.cat.default, torch.ops.aten.div.Tensor,
+             torch.ops.aten.constant_pad_nd.default} | _NEW_TENSOR_OPS
+
+
+def _value(op, args: tuple, kwargs: dict, fake_mode):
+    """``op(*args, **kwargs)`` in ``fake_mode`` (entered by the caller): through the op's meta
+    kernel alone when it is one of ``_META_OPS`` on fake tensors of ``fake_mode`` with static
+    sizes, strides and offsets (the value fake mode computes, at a tenth of its dispatch), else
+    the op called as it is."""
+    if op in _META_OPS and fake_mode is not None:
+        tensors = [t for a in (*args, *kwargs.values())
+                   for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
+        if tensors and all(type(t) is FakeTensor and t.fake_mode is fake_mode and t.constant is None
+                           and _static(t) for t in tensors):
+            out = meta_kernel_value(fake_mode, op, args, kwargs, tensors[0].device)
+            if out is not None:
+                return out
+    return op(*args, **kwargs)
+
+
+def _static(t: torch.Tensor) -> bool:
+    return all(type(d) is int for d in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 def _tensor_key(v: torch.Tensor) -> tuple:

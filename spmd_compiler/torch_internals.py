@@ -25,6 +25,9 @@ Two kinds of patch:
     nothing, so each op's autograd kernel would only forward to the one below (the functional
     collectives' ``wait_tensor`` through a Python kernel); version counters and views
     (ADInplaceOrView) are kept.
+  - ``meta_kernel_values``: the ops a pass inserts (passes/subgraph.py: bucket copies, views,
+    functional collectives on static shapes) get their fake values from the op's meta kernel run
+    as fake mode runs it, without fake mode's dispatch around it (``meta_kernel_value``);
   - ``block_reuse``: repeated blocks are recorded once and copied (spmd_compiler/trace/block_reuse.py,
     which uses make_fx's proxy slots and lazy size nodes through the functions here); also off
     with ``SPMD_NO_BLOCK_REUSE``.
@@ -66,6 +69,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    in_kernel_invocation_manager,
     unset_fake_temporarily,
 )
 from torch.distributed import _broadcast_coalesced
@@ -99,7 +103,7 @@ __all__ = [  # torch's private names the rest of spmd_compiler and passes/ use
     # and the patches
     "InputShapeEnv", "StepRecorder", "compiling_forward", "faster_symbolic_recording",
     "refuse_reentrant_checkpoint", "size_oblivious_reshape", "symbolic_floats_unhashable",
-    "lstm_recorded_for_training", "gradient_resets",
+    "lstm_recorded_for_training", "gradient_resets", "meta_kernel_value", "new_fake",
     "tag_regions", "direct_op_calls",
     # block reuse (spmd_compiler/trace/block_reuse.py)
     "BLOCK_REUSE_OFF_ENV", "block_reuse_enabled", "proxy_node", "bind_proxy", "untraced", "sym_node",
@@ -211,6 +215,7 @@ OPTIONAL: dict[str, Callable[[], bool]] = {
     "direct_op_calls": _probe_direct_op_calls,
     "below_autograd": _probe_below_autograd,
     "block_reuse": lambda: _probe_block_reuse(),
+    "meta_kernel_values": lambda: _probe_meta_kernel_values(),
 }
 
 
@@ -1079,3 +1084,42 @@ def sympy_python(expr) -> str:
     from torch.utils._sympy.printers import PythonPrinter
 
     return PythonPrinter().doprint(expr)
+
+
+# ---------------------------------------------------------------------------------------------
+# meta_kernel_values
+#
+# Fake mode computes an op's value by running its meta kernel on the fake tensors themselves
+# (``in_kernel_invocation_manager``: the Meta key included, Python dispatch off) and wrapping the
+# result as a fake tensor on the op's device; around that it validates the arguments, builds a
+# cache key (per call, ~0.1 ms), tries constant propagation and checks the result. For the
+# plain view, copy and collective ops a pass inserts on static shapes none of that changes the
+# value: the meta kernel's result (views share their base's storage, as fake mode's do) is it.
+
+
+def _probe_meta_kernel_values() -> bool:
+    return (_params(in_kernel_invocation_manager) == ["fake_mode"]
+            and _params(FakeTensor.__new__)[:4] == ["cls", "fake_mode_or_elem", "elem", "device"]
+            and hasattr(FakeTensorMode, "in_kernel_invocation"))
+
+
+def meta_kernel_value(fake_mode, op, args: tuple, kwargs: dict, device: torch.device):
+    """``op(*args, **kwargs)`` on fake tensors of ``fake_mode``, as its meta kernel computes it
+    inside fake mode (one tensor result, a fake tensor on ``device``); None where the patch is
+    off (the caller runs the op in fake mode)."""
+    if not enabled("meta_kernel_values"):
+        return None
+    with in_kernel_invocation_manager(fake_mode):
+        out = op(*args, **kwargs)
+    return FakeTensor(fake_mode, out, device) if type(out) is torch.Tensor else None
+
+
+def new_fake(fake_mode, shape, stride, dtype: torch.dtype, device: torch.device):
+    """A new fake tensor of ``fake_mode`` with these static metadata, as ``torch.empty_strided``
+    in fake mode makes it (its own storage); None where the patch is off or ``fake_mode`` is
+    None."""
+    if fake_mode is None or not enabled("meta_kernel_values"):
+        return None
+    with unset_fake_temporarily():
+        elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return FakeTensor(fake_mode, elem, device)

@@ -562,3 +562,88 @@ def test_plan_all_reduces_bucket_within_their_group_only():
     # w0 + w1 + w2 in one bucket; w3 alone (w2 is read before it); w4 alone (reads w3)
     assert by_group == [("tp2", False), ("tp", True), ("tp", False), ("tp", False)], by_group
     assert all(n.meta[meta.MODEL_PARALLEL] == n.args[2] for n in issues)
+
+
+def _graph_as_data(gm: fx.GraphModule) -> list:
+    """Every node of ``gm`` as plain data: op, target, arguments (nodes by name), the pass meta
+    and its value's metadata, with the first node whose value shares its storage."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    owner: dict = {}
+    out = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        desc = None
+        if isinstance(val, torch.Tensor):
+            storage = StorageWeakRef(val.untyped_storage())
+            desc = (tuple(val.shape), val.stride(), val.storage_offset(), val.dtype,
+                    str(val.device), val.requires_grad, type(val).__name__,
+                    owner.setdefault(storage, n.name))
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", a.name))
+        out.append((n.op, n.name, str(n.target), repr(args), desc,
+                    {k: repr(v) for k, v in n.meta.items() if k.startswith("spmd_")}))
+    return out
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_inserted_ops_valued_by_meta_kernels_equal_fake_dispatch(style, monkeypatch):
+    """The graph the passes build, with the values of their inserted ops (bucket copies and
+    pieces, gathers, padding, the collectives of a cached recording) from meta kernels, equals
+    node for node, value metadata and storage sharing included, the graph built with every
+    inserted op run in fake mode."""
+    from spmd_compiler import DataParallel, explain
+    from spmd_compiler.api import CompiledStep
+    from spmd_compiler.passes import subgraph
+
+    graphs, calls = [], []
+    meta_value, new_fake = subgraph.meta_kernel_value, subgraph.new_fake
+
+    def counted(*args):
+        calls.append(args[1])
+        return meta_value(*args)
+
+    def counted_new(*args):
+        calls.append("new")
+        return new_fake(*args)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                    torch.nn.ReLU(), torch.nn.Linear(16, 6))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = CompiledStep(_mse_step, DataParallel(style, bucket_cap_mb=1e-4,
+                                                    first_bucket_cap_mb=1e-4),
+                            gm_transformation=lambda gm: graphs.append(_graph_as_data(gm)) or gm)
+        explain(step, model, opt, (torch.randn(4, 8), torch.randn(4, 6)))
+
+    monkeypatch.setattr(subgraph, "meta_kernel_value", counted)
+    monkeypatch.setattr(subgraph, "new_fake", counted_new)
+    build()
+    assert {aten.slice.Tensor, aten.cat.default, c10d.wait_tensor.default, "new"} <= set(calls)
+    monkeypatch.setattr(subgraph, "meta_kernel_value", lambda *args: None)  # as when off
+    monkeypatch.setattr(subgraph, "new_fake", lambda *args: None)
+    build()
+    assert len(graphs[0]) > 60 and graphs[0] == graphs[1]
+
+
+def _mse_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optim.step()
+
+
+@pytest.mark.parametrize("shape", [(5,), (7, 3), (4, 0, 2), (3, 1, 5), (1,)])
+def test_shard_val_equals_new_empty(shape):
+    """fully_shard's shard value, made without fake dispatch, is what ``new_empty`` makes in
+    fake mode: shape, strides, dtype, device, grad flag and fake mode."""
+    from spmd_compiler.passes.fully_shard import shard_rows, shard_val
+
+    mode = FakeTensorMode()
+    with mode:
+        val = torch.empty(shape, dtype=torch.bfloat16)
+    made = shard_val(val, 2)
+    want = val.new_empty((shard_rows(shape[0], 2),) + shape[1:])
+    describe = lambda t: (type(t), t.fake_mode, tuple(t.shape), t.stride(), t.storage_offset(),  # noqa: E731
+                          t.dtype, t.device, t.requires_grad)
+    assert made is not val and describe(made) == describe(want)

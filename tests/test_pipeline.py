@@ -70,3 +70,54 @@ def test_meta_check_names_the_stage_and_the_node(monkeypatch):
     step = CompiledStep(train_step, DataParallel("replicate"), gm_transformation=drop_region)
     with pytest.raises(meta.MetaContractError, match="after stage 'gm_transformation'.*no spmd_region"):
         explain(step, model, opt, (torch.randn(8, IN_FEATURES), torch.randn(8, OUT_FEATURES)))
+
+
+def _clipped_step(model, optim, batch):
+    optim.zero_grad()
+    x, y = batch
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    return loss
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_placements_after_expansion_are_derived_once_and_equal_a_fresh_analysis(style, monkeypatch):
+    """The analysis after the expansion reuses the placements of the nodes the expansion left
+    alone; every placement equals what a fresh analysis of the expanded graph derives."""
+    from spmd_compiler.build import pipeline
+    from spmd_compiler.passes import batch_dim
+
+    derived = []
+    node_placement = batch_dim._Analysis.node_placement
+    monkeypatch.setattr(batch_dim._Analysis, "node_placement",
+                        lambda self, node: derived.append(node) or node_placement(self, node))
+    runs = []
+    analyze = pipeline.analyze
+
+    def checked(gm):
+        derived.clear()
+        gm = analyze(gm)
+        again = [n for n in derived if n.op == "call_function"]
+        runs.append(({n.name for n in again}, [n.name for n in gm.graph.nodes if n.op == "call_function"]))
+        reused = {n: n.meta[meta.PLACEMENT] for n in gm.graph.nodes}
+        record = gm.meta.pop(meta.PLACEMENT_INPUTS)
+        batch_dim.annotate_placements(gm)  # from scratch
+        fresh = {n: n.meta[meta.PLACEMENT] for n in gm.graph.nodes}
+        assert [n.name for n in fresh if not batch_dim._same(fresh[n], reused[n])] == []
+        gm.meta[meta.PLACEMENT_INPUTS] = record
+        return gm
+
+    monkeypatch.setattr(pipeline, "analyze", checked)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    explain(_clipped_step, model, opt, (torch.randn(8, 8), torch.randn(8, 4)),
+            parallel_mode=DataParallel(style))
+    (first, calls), (second, expanded) = runs
+    assert first == set(calls)  # the traced graph: every node derived
+    # the expanded graph: the collectives derived, the nodes the expansion left alone reused
+    assert {"wait_tensor", "linalg_vector_norm", "_fused_adamw_"} <= second < set(expanded)
+    assert not second & {"relu", "mse_loss", "mse_loss_backward", "threshold_backward"}

@@ -43,6 +43,8 @@ def test_signatures_relied_on():
     assert _params(proxy_tensor.set_meta) == ["proxy", "val"]
     assert _params(proxy_tensor.extract_val)[:2] == ["val", "include_real"]
     assert _params(ti._compute_stride) == ["old_shape", "old_stride", "new_shape", "size_oblivious"]
+    assert _params(ti.in_kernel_invocation_manager) == ["fake_mode"]
+    assert _params(ti.FakeTensor.__new__)[:4] == ["cls", "fake_mode_or_elem", "elem", "device"]
     # the required ones
     assert _params(_MakefxTracer.__init__)[:8] == [
         "self", "decomposition_table", "tracing_mode", "_allow_non_fake_inputs", "pre_dispatch",

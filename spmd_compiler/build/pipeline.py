@@ -203,7 +203,10 @@ def _expand(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
     except ShardingError as e:
         raise UnsupportedError(str(e)) from e
     b.signature = dataclasses.replace(b.signature, sharded_states=_sharded(b.options))
-    return gm if _exact(b) else analyze(gm)
+    if not _exact(b):
+        gm = analyze(gm)  # derives only what the expansion changed (passes/batch_dim.py)
+    gm.meta.pop(meta.PLACEMENT_INPUTS, None)  # no later stage reads it: the graph keeps no copy
+    return gm
 
 
 def _grad_outputs(gm: torch.fx.GraphModule, b: _Build) -> torch.fx.GraphModule:
@@ -253,8 +256,8 @@ STAGES: list[Stage] = [
     Stage("recompute", _recompute, "activations recomputed in the backward (passes/recompute.py)",
           when="activation_memory_budget is set",
           applies=lambda o: o.mode.activation_memory_budget is not None),
-    Stage("expanded", _expand, "functional collectives per mesh dim, then placements again "
-          "(passes/expand.py, replicate.py, fully_shard.py)"),
+    Stage("expanded", _expand, "functional collectives per mesh dim, then the placements of what "
+          "they changed (passes/expand.py, replicate.py, fully_shard.py)"),
     Stage("grad_outputs", _grad_outputs, "averaged gradients returned for p.grad "
           "(passes/grad_outputs.py)", when="keep_grads", applies=lambda o: o.mode.keep_grads),
     Stage("dead_code", lambda gm, b: eliminate_dead_code(gm), "dead code removed "

@@ -690,6 +690,7 @@ class _Collector:
         self.codes = dict(codes)
         self.roots = roots
         self.reads = reads
+        self._reads_index: dict | None = None  # (_read_names)
         self.guards: dict[tuple, ValueGuard] = {}
         self.names: set[str] = set()
         self.stored: set[str] = set()
@@ -908,14 +909,24 @@ class _Collector:
 
     def _watched(self, obj, name: str, path: tuple, depth: int) -> None:
         """An object whose attribute reads were watched: every name read, wherever it was found."""
-        for n in dict.fromkeys(r.name for r in self.reads.attrs
-                               if r.obj is obj and not r.write and r.where is not None):
+        for n in self._read_names().get(id(obj), ()):
             if n in _SKIPPED_ATTRS or n.startswith(("__", "_spmd")) or "hook" in n:
                 continue  # (this package's own marks on a module are not the step's values)
             if n in vars(obj):
                 self._value(vars(obj)[n], f"{name}.{n}", path + (("attr", n),), depth, n)
             else:
                 self._through_type(obj, n, name, path, depth, user_only=False)
+
+    def _read_names(self) -> dict[int, dict[str, Any]]:
+        """id(object) -> the names read from it (not written; in order), and under ``None``
+        the first place each name was read (made once: the reads are many, the objects too)."""
+        if self._reads_index is None:
+            self._reads_index = {None: {}}
+            for r in self.reads.attrs:
+                if not r.write and r.where is not None:
+                    self._reads_index.setdefault(id(r.obj), {}).setdefault(r.name, None)
+                    self._reads_index[None].setdefault(r.name, r.where)
+        return self._reads_index
 
     def _through_type(self, obj, n: str, name: str, path: tuple, depth: int, user_only: bool):
         """A name not in ``obj``'s own dict: guarded absent there (and in the classes before
@@ -1012,11 +1023,9 @@ class _Collector:
                                            written=written)
 
     def _where(self, attr: str, path: tuple = ()) -> str:
-        if self.reads is not None:
-            for r in self.reads.attrs:
-                if r.name == attr and r.where is not None and not r.write:
-                    code, line = r.where
-                    return f'File "{code.co_filename}", line {line}, in {code.co_name}'
+        if self.reads is not None and (where := self._read_names()[None].get(attr)) is not None:
+            code, line = where
+            return f'File "{code.co_filename}", line {line}, in {code.co_name}'
         readers = [c for c in self.codes
                    if attr in c.co_names or attr in c.co_freevars or attr in c.co_consts]
         readers.sort(key=lambda c: not is_user_file(c.co_filename))

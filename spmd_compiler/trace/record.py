@@ -20,7 +20,7 @@ import logging
 import os
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import sympy
@@ -350,6 +350,7 @@ class _ModuleState:
     fqn_of: dict[int, str]  # id(parameter) -> its name
     buffer_fqn_of: dict[int, str]
     states: list[tuple[tuple[str, str], torch.Tensor]]  # ((param fqn, state name), tensor)
+    _by_fqn: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @staticmethod
     def of(sa: StepArgs) -> "_ModuleState":
@@ -378,7 +379,11 @@ class _ModuleState:
 
     def owner(self, key: tuple[str, str]) -> torch.Tensor:
         """The parameter an optimizer state (``(param fqn, state name)``) belongs to."""
-        return next(p for p in self.params if self.fqn_of[id(p)] == key[0])
+        if self._by_fqn is None:
+            self._by_fqn = {}
+            for p in self.params:
+                self._by_fqn.setdefault(self.fqn_of[id(p)], p)
+        return self._by_fqn[key[0]]
 
 
 def _groups_with_lifted_entries(lift) -> set[tuple[int, int]]:
