@@ -932,6 +932,15 @@ def estimate_peak_memory(gm: fx.GraphModule, sizer: _Sizer | None = None) -> tup
     return peak, peak_node
 
 
+def _param_placement(n: fx.Node, gm: fx.GraphModule, several_dims: bool) -> str:
+    """A parameter's placement on the data-parallel dims (the outer dims of a multi-dim mesh
+    replicate), then along a plan's dims (tensor, context parallelism)."""
+    placement = dtensor_str(n.meta.get(PLACEMENT))
+    if several_dims:
+        placement = f"({', '.join(['Replicate()'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
+    return placement + "".join(f", {dim}: {p}" for dim, p in n.meta.get(PARAM_PLAN, ()))
+
+
 def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None = None,
               param_info: Mapping[str, Sequence[int]] | None = None,
               size_hints: Mapping[str, int] | None = None,
@@ -980,13 +989,8 @@ def summarize(gm: fx.GraphModule, *, compile_times: Mapping[str, float] | None =
         if role == Role.PARAM:
             fqn = n.meta.get(PARAM_FQN, n.name)
             val = n.meta.get("val")
-            placement = dtensor_str(n.meta.get(PLACEMENT))
-            if several_dims:  # the outer dims of a data-parallel mesh replicate
-                placement = f"({', '.join(['Replicate()'] * (len(gm.meta[MESH_DIMS]) - 1) + [placement])})"
-            if n.meta.get(PARAM_PLAN):  # and a plan's dims (tensor, context parallelism)
-                placement += "".join(f", {dim}: {p}" for dim, p in n.meta[PARAM_PLAN])
             params.append(ParamStat(
-                fqn, placement, tuple(sizer.size(s) for s in val.shape),
+                fqn, _param_placement(n, gm, several_dims), tuple(sizer.size(s) for s in val.shape),
                 nbytes, tuple(param_info[fqn]) if param_info and fqn in param_info else None))
             persistent["params"] += nbytes
             persistent["grads"] += nbytes if fqn in kept_grads else 0
