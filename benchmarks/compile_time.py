@@ -20,7 +20,7 @@ nothing is downloaded).
 ``--baseline-src DIR`` also times a checkout of an earlier version (a source tree whose
 ``spmd_compiler/passes`` resolves, e.g. a symlink to ``../passes``) on the workloads it can run.
 Writes the JSON results to a scratch file; ``--write-docs`` writes the checkout's
-benchmarks/compile_time.json and docs/compile_time.md instead. Time it alone on the machine
+docs/results/compile_time.json and docs/compile_time.md instead. Time it alone on the machine
 (nothing else running): the page records the load average.
 """
 
@@ -460,7 +460,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="explain runs per figure (fastest kept)")
     parser.add_argument("--json", default=None,
                         help=f"results file (default: {SCRATCH / 'compile_time.json'}; with "
-                             f"--write-docs or --render: benchmarks/compile_time.json in the checkout)")
+                             f"--write-docs or --render: docs/results/compile_time.json in the checkout)")
     parser.add_argument("--md", default=None, help="page to write (default: none; with --write-docs "
                                                    "or --render: docs/compile_time.md in the checkout)")
     parser.add_argument("--write-docs", action="store_true",
@@ -477,7 +477,7 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     checkout = args.write_docs or args.render
-    args.json = args.json or str(ROOT / "benchmarks" / "compile_time.json" if checkout
+    args.json = args.json or str(ROOT / "docs" / "results" / "compile_time.json" if checkout
                                  else SCRATCH / "compile_time.json")
     args.md = args.md or (str(ROOT / "docs" / "compile_time.md") if checkout else None)
     if args.render:

@@ -5,7 +5,7 @@ transformer, with and without activation checkpointing in the model.
 Every (model, mode) runs in fresh processes (benchmarks/worker.py): first call, warm-up steps,
 a few timed steps, then one more step measured from the CPU allocator's events
 (spmd_compiler.memory). Prints the table and writes the JSON results to a scratch file;
-``--write-docs`` writes the checkout's benchmarks/memory_results.json and docs/memory.md instead
+``--write-docs`` writes the checkout's docs/results/memory_results.json and docs/memory.md instead
 (a run to publish, on a quiet machine).
 
     python -m benchmarks.memory
@@ -33,7 +33,7 @@ from .run import (
 )
 
 MIB = 2**20
-RESULTS, PAGE = "benchmarks/memory_results.json", "docs/memory.md"  # published, in the checkout
+RESULTS, PAGE = "docs/results/memory_results.json", "docs/memory.md"  # published, in the checkout
 DEFAULT_MODELS = ["state_heavy", "deep_gpt", "deep_gpt_ckpt"]
 DEFAULT_MODES = ["ddp", "fsdp2", "spmd_replicate", "spmd_replicate-meta_init", "spmd_fully_shard",
                  "spmd_fully_shard-meta_init", "spmd_fully_shard-activation_budget"]

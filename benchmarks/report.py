@@ -651,7 +651,7 @@ def write_docs(results: dict, md_path: Path, png_path: Path) -> str | None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     root = Path(__file__).resolve().parent.parent  # the checkout, whatever the directory
-    parser.add_argument("--json", default=str(root / "benchmarks" / "results.json"),
+    parser.add_argument("--json", default=str(root / "docs" / "results" / "results.json"),
                         help="results file to read (default: the checkout's)")
     parser.add_argument("--md", default=str(root / "docs" / "benchmarks.md"),
                         help="markdown page to write (default: the checkout's)")

@@ -2,7 +2,7 @@
 
 Every (model, mode) runs on WORLD_SIZE fresh gloo ranks on 127.0.0.1 with one thread each.
 Prints one line per finished job, then a table, and writes the JSON results to a scratch file
-(``--out`` names another). ``--write-docs`` writes the checkout's benchmarks/results.json,
+(``--out`` names another). ``--write-docs`` writes the checkout's docs/results/results.json,
 docs/benchmarks.md and the chart (when matplotlib is installed) instead: a run to publish, on a
 quiet machine. Runs from any directory (the checkout on ``PYTHONPATH``).
 """
@@ -131,7 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="per-rank batch size for every model (default: each model's own)",
     )
-    add_output_options(parser, "benchmarks/results.json", "docs/benchmarks.md")
+    add_output_options(parser, "docs/results/results.json", "docs/benchmarks.md")
     parser.add_argument(
         "--png", default=None,
         help="bar chart (default: with --md, docs/img/benchmarks.png beside the page; skipped "
@@ -154,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "0's op table to DIR/MODEL_MODE.txt (figures are unaffected)",
     )
     args = parser.parse_args(argv)
-    output_paths(args, "benchmarks/results.json", "docs/benchmarks.md")
+    output_paths(args, "docs/results/results.json", "docs/benchmarks.md")
     if args.md and args.png is None:
         args.png = str(Path(args.md).parent / "img" / "benchmarks.png")
     if args.steps < 1 or args.warmup < 0 or args.world_size < 1 or args.rounds < 1:

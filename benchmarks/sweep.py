@@ -3,7 +3,7 @@
 Small batches make a step latency-bound (a few collectives and the per-call Python dominate);
 large ones compute-bound. The sweep shows from which per-rank batch spmd replicate is at least as
 fast as DDP. Every (batch, mode) runs in fresh processes as in ``benchmarks.run``; writes the
-JSON results to a scratch file, or with ``--write-docs`` the checkout's benchmarks/sweep.json and
+JSON results to a scratch file, or with ``--write-docs`` the checkout's docs/results/sweep.json and
 docs/batch_sweep.md.
 
     python -m benchmarks.sweep --model simple_mlp --batches 32,128,512,2048,8192,65536
@@ -80,9 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
-    add_output_options(parser, "benchmarks/sweep.json", "docs/batch_sweep.md")
+    add_output_options(parser, "docs/results/sweep.json", "docs/batch_sweep.md")
     args = parser.parse_args(argv)
-    output_paths(args, "benchmarks/sweep.json", "docs/batch_sweep.md")
+    output_paths(args, "docs/results/sweep.json", "docs/batch_sweep.md")
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     run_args = argparse.Namespace(
         modes=list(MODES), world_size=2, steps=args.steps, rounds=args.rounds,

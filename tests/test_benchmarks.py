@@ -163,7 +163,7 @@ def test_docs(results):
 def test_run_from_another_directory_leaves_the_checkout_alone(tmp_path):
     """Without --write-docs a run writes its results to a scratch file (or --out) and no page;
     it runs from any directory and records the checkout's commit."""
-    tracked = ["benchmarks/results.json", "docs/benchmarks.md", "docs/img/benchmarks.png"]
+    tracked = ["docs/results/results.json", "docs/benchmarks.md", "docs/img/benchmarks.png"]
     before = {p: (ROOT / p).read_bytes() for p in tracked}
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "benchmarks.run", "--models", "simple_mlp", "--modes", "compute",
@@ -180,8 +180,8 @@ def test_run_from_another_directory_leaves_the_checkout_alone(tmp_path):
 
 
 @pytest.mark.parametrize("module, results, page", [
-    ("run", "benchmarks/results.json", "docs/benchmarks.md"),
-    ("memory", "benchmarks/memory_results.json", "docs/memory.md"),
+    ("run", "docs/results/results.json", "docs/benchmarks.md"),
+    ("memory", "docs/results/memory_results.json", "docs/memory.md"),
 ])
 def test_only_write_docs_names_the_checkouts_files(module, results, page):
     import importlib

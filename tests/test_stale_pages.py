@@ -50,7 +50,7 @@ def test_every_generator_writes_its_commit_and_the_load():
     root = Path(__file__).resolve().parents[1]
 
     def stored(name):
-        return json.loads((root / "benchmarks" / name).read_text())
+        return json.loads((root / "docs" / "results" / name).read_text())
 
     times = stored("compile_time.json")
     pages = [report.markdown(stored("results.json"), None, None),

@@ -13,10 +13,13 @@ sequence (the loss) are ``Partial`` and reduced; a parameter's gradient is the s
 
 DTensor has no rule for CPU's attention kernel (``_scaled_dot_product_flash_attention_for_cpu``);
 this module's handlers take its place while recording: keys and values are all-gathered over
-``cp``, each rank attends with its own queries (a causal mask offset to its rows, over the keys up
-to its last row), and the backward reduce-scatters the keys' and values' gradients back to their
-pieces. Attention written out (``q @ k.transpose``, ``masked_fill``, ``softmax``) goes through
-DTensor's rules for those ops.
+``cp``, each rank attends with its own queries (under a causal mask exchanged first into torch's
+head-and-tail pieces, so every rank attends as many keys; each piece attends the keys before it
+whole and its own block causally, merged by log-sum-exp), and the backward reduce-scatters the
+keys' and values' gradients back to their pieces. Attention written out (``q @ k.transpose``,
+``masked_fill``, ``softmax``) goes through DTensor's rules for those ops. Where DTensor's rule is
+missing or wrong the handlers here replace it too: a mean cross-entropy over sharded pieces,
+``torch.cat`` with an empty 1-D tensor.
 """
 
 from __future__ import annotations
