@@ -70,11 +70,19 @@ def _init_one(opt, group: dict, p: torch.Tensor, sharded: bool) -> None:
     one by one, is kept as the optimizer made it)."""
     with torch.no_grad(), _grads_present([p]):
         torch_internals.init_adam_state(opt, {**group, "params": [p]})
-    if sharded:
-        state = opt.state[p]
-        for k, v in state.items():
-            if type(v) is torch.Tensor and v.dim() and v.shape == p.shape:
-                state[k] = torch.zeros((), dtype=v.dtype, device=v.device).expand(v.shape)
+    state = opt.state[p]
+    for k, v in state.items():
+        if sharded and type(v) is torch.Tensor and v.dim() and v.shape == p.shape:
+            state[k] = v = torch.zeros((), dtype=v.dtype, device=v.device).expand(v.shape)
+        if isinstance(v, torch.Tensor):
+            v._spmd_made_zero = True
+
+
+def same_on_every_rank(v: torch.Tensor) -> bool:
+    """Is ``v`` a state value made here (zero and step 0 on every rank alike), which placing
+    the state need not broadcast? Placing makes new tensors, so a value no longer counts once
+    placed, or once replaced (``load_state_dict``)."""
+    return getattr(v, "_spmd_made_zero", False)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from ..features import tensor_parallel as tp
 from ..torch_internals import _broadcast_coalesced, dtensor_spec, local_tensor
 from ..errors import CollectiveError, InitializationError
 from ..features.subclass_params import copy_hooks, inner_tensors
+from . import optimizer_state
 
 
 def shard_dim(mesh: DeviceMesh) -> int:
@@ -208,9 +209,10 @@ def place_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
         _rekey_optimizers(optimizers, seen, mesh)
         return
     whole_states(optimizers, plain)  # DTensor state of parameters made plain again
-    states = [  # (an expanded zero, optimizer_state.py, is the same on every rank)
+    states = [  # (the zero state optimizer_state.py made is the same on every rank)
         v for opt in optimizers for p in plain for v in opt.state.get(p, {}).values()
-        if isinstance(v, torch.Tensor) and not (v.dim() and 0 in v.stride() and v.numel() > 1)
+        if isinstance(v, torch.Tensor) and not optimizer_state.same_on_every_rank(v)
+        and not (v.dim() and 0 in v.stride() and v.numel() > 1)
     ]
     broadcast_from_first([x.detach() for t in plain + list(module.buffers()) + states
                           for x in inner_tensors(t)], mesh)
